@@ -1,0 +1,29 @@
+"""Pipelines: short, readable sequences of stages.  ``PIPELINES`` maps a job's ``pipeline`` key to its runner."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def _demo(cfg: Any) -> dict:
+    from raycurate.pipelines.demo import run_demo
+
+    return run_demo(cfg)
+
+
+def _sft(cfg: Any) -> dict:
+    from raycurate.pipelines.sft import run_sft_pipeline
+
+    return run_sft_pipeline(cfg)
+
+
+PIPELINES: dict[str, Callable[[Any], dict]] = {"demo": _demo, "sft": _sft}
+
+
+def run_pipeline(cfg: Any) -> dict:
+    """Run the pipeline named by ``cfg.pipeline``."""
+    try:
+        runner = PIPELINES[cfg.pipeline]
+    except KeyError:
+        raise ValueError(f"unknown pipeline {cfg.pipeline!r}; registered: {', '.join(sorted(PIPELINES))}") from None
+    return runner(cfg)

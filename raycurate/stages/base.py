@@ -1,0 +1,134 @@
+"""Resumable stage execution.
+
+A stage is a function ``fn(out_dir) -> StageOutput`` that writes its files into ``out_dir``.  :func:`run_stage`
+gives it a temporary folder and moves that folder into ``runs/<name>/<stage>/`` only when ``fn`` returns, so a
+stage's outputs are all there or not there at all.  The stage's hash covers its own config and the hashes of the
+stages it reads from, so changing one stage's config re-runs that stage and everything downstream, and nothing
+else.  State that must survive a crash inside a stage (Ray Train checkpoints) lives in :func:`scratch_dir`,
+outside the atomic folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from raycurate.config.loader import config_hash
+from raycurate.rundir import RunDir, atomic_dir
+
+log = logging.getLogger("raycurate")
+
+
+@dataclasses.dataclass
+class StageOutput:
+    """What a stage produced.
+
+    Attributes:
+        outputs: output name -> path relative to the stage folder (every path must exist when the stage returns).
+        metrics: small JSON-able numbers worth keeping in the manifest (counts, losses, accuracies).
+    """
+
+    outputs: dict[str, str]
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class StageFailed(RuntimeError):
+    """A stage raised; the manifest records it as ``failed`` with the error."""
+
+
+def stage_hash(run: RunDir, config: Any, upstream: Iterable[str]) -> str:
+    """Hash of a stage's config plus the hashes of the stages it depends on."""
+    upstream_hashes = []
+    for name in upstream:
+        record = run.stage_record(name)
+        if record is None or record.get("status") != "done":
+            raise StageFailed(f"stage depends on '{name}', which has not completed in {run.root}")
+        upstream_hashes.append((name, record["config_hash"]))
+    return config_hash(config, upstream_hashes)
+
+
+def scratch_dir(run: RunDir, stage: str) -> Path:
+    """A persistent per-stage folder for state that must survive a crash (e.g. training checkpoints)."""
+    path = run.root / "_scratch" / stage
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_stage(
+    run: RunDir,
+    stage: str,
+    fn: Callable[[Path], StageOutput],
+    *,
+    config: Any,
+    upstream: Iterable[str] = (),
+    force: bool = False,
+) -> dict:
+    """Run ``fn`` as stage ``stage`` unless its outputs are current; return the manifest record.
+
+    Args:
+        run: The run directory.
+        stage: Stage name (also its folder name).
+        fn: Writes outputs into the folder it is given and describes them.
+        config: Everything that changes the stage's result (config sections, plain values).
+        upstream: Stages whose outputs ``fn`` reads.
+        force: Re-run even when current.
+
+    Returns:
+        The stage's manifest record: ``{status, seconds, config_hash, outputs, metrics, ...}``; ``outputs`` paths
+        are relative to the run root.
+    """
+    upstream = list(upstream)
+    digest = stage_hash(run, config, upstream)
+    if not force and run.stage_is_current(stage, digest, upstream):
+        log.info("stage %-14s skipped (outputs current, hash %s)", stage, digest)
+        record = run.stage_record(stage)
+        assert record is not None
+        return record
+    log.info("stage %-14s running", stage)
+    started = time.time()
+    run.record_stage(stage, {"status": "running", "config_hash": digest, "upstream": upstream, "started": started})
+    try:
+        with atomic_dir(run.stage_dir(stage)) as tmp:
+            result = fn(tmp)
+            missing = [rel for rel in result.outputs.values() if not (tmp / rel).exists()]
+            if missing:
+                raise StageFailed(f"stage '{stage}' declared outputs it did not write: {missing}")
+    except BaseException as exc:
+        run.record_stage(
+            stage,
+            {
+                "status": "failed",
+                "config_hash": digest,
+                "upstream": upstream,
+                "seconds": round(time.time() - started, 3),
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(limit=8),
+            },
+        )
+        raise
+    seconds = round(time.time() - started, 3)
+    record = {
+        "status": "done",
+        "seconds": seconds,
+        "config_hash": digest,
+        "upstream": upstream,
+        "started": started,
+        "outputs": {k: f"{stage}/{v}" for k, v in result.outputs.items()},
+        "metrics": result.metrics,
+        "finished": time.time(),
+    }
+    run.record_stage(stage, record)
+    log.info("stage %-14s done in %.1f s", stage, seconds)
+    return record
+
+
+def output_path(run: RunDir, record_or_stage: dict | str, name: str) -> Path:
+    """Absolute path of output ``name`` of a completed stage (given its record or its name)."""
+    record = run.stage_record(record_or_stage) if isinstance(record_or_stage, str) else record_or_stage
+    if record is None or name not in record.get("outputs", {}):
+        raise KeyError(f"no output '{name}' recorded for stage {record_or_stage!r} in {run.manifest_path}")
+    return run.root / record["outputs"][name]

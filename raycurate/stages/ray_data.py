@@ -1,0 +1,91 @@
+"""The Ray Data stage template: a callable UDF class run by an actor pool.
+
+A stage is (UDF class, constructor kwargs, pool spec).  Heavy state (model, tokenizer) is built once per actor
+in ``__init__``; the row logic lives in plain functions the UDF calls, so it is testable without Ray.  Resource
+arithmetic (actors, CPUs/GPUs per actor, batch size) lives here only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from raycurate.config.base import option
+from raycurate.stages.runtime import actor_cpus, cluster_cpus, cluster_gpus
+
+log = logging.getLogger("raycurate")
+
+
+@dataclasses.dataclass
+class ActorPoolConfig:
+    """How a Ray Data actor-pool stage is sized."""
+
+    num_actors: int = option(2, "Actors in the pool (one model copy each).")
+    cpus_per_actor: float | None = option(
+        None, "CPUs per actor; null sizes it from the cluster so read/write tasks always keep a CPU (no deadlock)."
+    )
+    gpus_per_actor: float | None = option(
+        None, "GPUs per actor; null means 1 when the cluster has GPUs, else 0 (CPU actors)."
+    )
+    batch_size: int = option(64, "Rows per batch handed to an actor.")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolResources:
+    """Resolved resources of one actor pool."""
+
+    num_actors: int
+    num_cpus: float
+    num_gpus: float
+    batch_size: int
+
+
+def resolve_pool(cfg: ActorPoolConfig, total_cpus: float | None = None, total_gpus: float | None = None) -> PoolResources:
+    """Turn a pool config into concrete per-actor resources for the current cluster.
+
+    Args:
+        cfg: Pool config.
+        total_cpus: Cluster CPUs (read from Ray when None).
+        total_gpus: Cluster GPUs (read from Ray when None).
+    """
+    total_cpus = cluster_cpus() if total_cpus is None else total_cpus
+    total_gpus = cluster_gpus() if total_gpus is None else total_gpus
+    num_gpus = cfg.gpus_per_actor if cfg.gpus_per_actor is not None else (1.0 if total_gpus >= 1 else 0.0)
+    num_actors = cfg.num_actors
+    if num_gpus > 0 and total_gpus > 0:
+        num_actors = min(num_actors, max(1, int(total_gpus // num_gpus)))
+    return PoolResources(
+        num_actors=num_actors,
+        num_cpus=actor_cpus(cfg.cpus_per_actor, num_actors, total_cpus),
+        num_gpus=num_gpus,
+        batch_size=cfg.batch_size,
+    )
+
+
+def map_with_actor_pool(ds: Any, udf: type, ctor_kwargs: dict, pool: PoolResources, **map_kwargs: Any) -> Any:
+    """``ds.map_batches`` with a fixed-size actor pool of ``udf`` (pyarrow batches in and out).
+
+    Args:
+        ds: A ``ray.data.Dataset``.
+        udf: Callable class ``udf(**ctor_kwargs)(batch: pyarrow.Table) -> pyarrow.Table``.
+        ctor_kwargs: Constructor arguments (built once per actor).
+        pool: Resolved resources.
+        **map_kwargs: Extra ``map_batches`` arguments (e.g. ``max_restarts`` via ray_remote_args).
+    """
+    import ray.data
+
+    log.info(
+        "%s: %d actors x (%.2f CPU, %.2f GPU), batch %d", udf.__name__, pool.num_actors, pool.num_cpus,
+        pool.num_gpus, pool.batch_size,
+    )
+    return ds.map_batches(
+        udf,
+        fn_constructor_kwargs=ctor_kwargs,
+        batch_size=pool.batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=pool.num_actors),
+        num_cpus=pool.num_cpus,
+        num_gpus=pool.num_gpus,
+        **map_kwargs,
+    )

@@ -1,0 +1,104 @@
+"""Ray start-up and resource arithmetic shared by every stage.
+
+Decisions (documented in ``docs/ray.md``):
+
+* ``init_ray(address=None)`` starts a local Ray instance (dashboard off) or connects to ``address``
+  (``"auto"`` inside a ``ray job submit`` job).  Token authentication stays at Ray's default: a local cluster
+  uses token mode and Ray keeps the token at ``~/.ray/auth_token`` (or ``$RAY_AUTH_TOKEN_PATH``); set
+  ``RAY_AUTH_MODE=disabled`` to opt out on a trusted single-user machine.
+* Ray's session files go to ``temp_dir`` when given, else Ray's default ``/tmp/ray``.
+* Actor pools never ask for a whole CPU per actor on small machines: on a 2-CPU node an actor pool of
+  1-CPU actors starves the read tasks and the pipeline deadlocks.  :func:`actor_cpus` hands out fractions.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def _worker_env() -> dict[str, str]:
+    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    for key in ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def init_ray(
+    address: str | None = None,
+    num_cpus: int | None = None,
+    temp_dir: str | None = None,
+    object_store_memory: int | None = None,
+) -> Any:
+    """Start (or connect to) Ray once per process.
+
+    Args:
+        address: ``None`` starts a local instance; ``"auto"`` or ``"ray://host:port"`` connects to a cluster.
+        num_cpus: CPUs for a local instance (default: all cores).
+        temp_dir: Ray session directory for a local instance (default ``/tmp/ray``).
+        object_store_memory: Object store size in bytes for a local instance.
+
+    Returns:
+        The ``ray`` module, initialised.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - torch import issues must not block Ray start-up
+        has_gpu = False
+    if not has_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": True,
+        "runtime_env": {"env_vars": _worker_env()},
+        "ignore_reinit_error": True,
+    }
+    if address is None:
+        if num_cpus is not None:
+            kwargs["num_cpus"] = num_cpus
+        if temp_dir is not None:
+            kwargs["_temp_dir"] = os.path.abspath(temp_dir)
+        if object_store_memory is not None:
+            kwargs["object_store_memory"] = object_store_memory
+    else:
+        kwargs["address"] = address
+    ray.init(**kwargs)
+    return ray
+
+
+def cluster_cpus() -> float:
+    """Total CPUs Ray reports for the cluster."""
+    import ray
+
+    return float(ray.cluster_resources().get("CPU", 1.0))
+
+
+def cluster_gpus() -> float:
+    """Total GPUs Ray reports for the cluster (0 on CPU-only machines)."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0.0))
+
+
+def actor_cpus(requested: float | None, num_actors: int, total_cpus: float) -> float:
+    """CPUs per actor that always leave room for Ray Data's read/write tasks.
+
+    Args:
+        requested: CPUs per actor from the config; ``None`` means "size it from the cluster".
+        num_actors: Actors in the pool.
+        total_cpus: CPUs in the cluster.
+
+    Returns:
+        ``requested`` when the pool plus one spare CPU fits, else the fraction that leaves half a CPU free.
+    """
+    if requested is not None and requested * num_actors + 0.5 <= total_cpus:
+        return requested
+    return max(0.05, round((total_cpus - 0.5) / max(num_actors, 1), 3))
