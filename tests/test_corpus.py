@@ -1,0 +1,272 @@
+"""The embedded benchmark corpus: determinism, exact labels, correct arithmetic, spans, held-out disjointness."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from collections import Counter
+
+import pytest
+
+from raycurate.data import corpus
+from raycurate.data.answers import answers_match, extract_final_answer, normalize_answer
+from raycurate.data.corpus import (
+    CORRUPTIONS_BY_DOMAIN,
+    MAX_RESULT,
+    corpus_summary,
+    generate_corpus,
+    generate_heldout,
+    generate_pretraining_texts,
+    write_jsonl,
+)
+
+EQUATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b}
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    return generate_corpus(1200, seed=3)
+
+
+def _equations(response: str) -> list[tuple[int, str, int, int]]:
+    return [(int(a), op, int(b), int(c)) for a, op, b, c in EQUATION.findall(response)]
+
+
+def _false_equations(response: str) -> int:
+    return sum(OPS[op](a, b) != c for a, op, b, c in _equations(response))
+
+
+def _of(rows: list[dict], domain: str | None = None, corruption: str | None = None) -> list[dict]:
+    return [
+        r for r in rows
+        if (domain is None or r["domain"] == domain) and (corruption is None or r["label"]["corruption"] == corruption)
+    ]
+
+
+def test_same_seed_same_rows_different_seed_different_rows():
+    assert generate_corpus(200, seed=7) == generate_corpus(200, seed=7)
+    other = generate_corpus(200, seed=8)
+    assert [r["prompt"] for r in generate_corpus(200, seed=7)] != [r["prompt"] for r in other]
+
+
+@pytest.mark.parametrize(
+    ("n_rows", "fraction", "expected"),
+    [(100, 0.3, 30), (5, 0.3, 2), (7, 0.5, 4), (10, 0.0, 0), (10, 1.0, 10), (0, 0.3, 0), (1200, 0.25, 300)],
+)
+def test_exact_corrupted_count_round_half_up(n_rows, fraction, expected):
+    rows = generate_corpus(n_rows, seed=1, corrupt_fraction=fraction)
+    assert len(rows) == n_rows
+    assert sum(not r["label"]["clean"] for r in rows) == expected
+    assert all(r["label"]["clean"] == (r["label"]["corruption"] == "none") for r in rows)
+
+
+def test_prompts_unique_except_near_duplicates(rows):
+    prompts = [r["prompt"] for r in rows if r["label"]["corruption"] != "near_duplicate"]
+    assert len(set(prompts)) == len(prompts)
+
+
+def test_domains_apportioned_exactly(rows):
+    assert Counter(r["domain"] for r in rows) == {"math": 720, "code": 240, "instruction": 240}
+    only_code = generate_corpus(50, seed=0, domain_weights={"code": 2.0})
+    assert {r["domain"] for r in only_code} == {"code"}
+    with pytest.raises(ValueError, match="Unknown domains"):
+        generate_corpus(10, seed=0, domain_weights={"poetry": 1.0})
+    with pytest.raises(ValueError, match="corrupt_fraction"):
+        generate_corpus(10, seed=0, corrupt_fraction=1.5)
+
+
+def test_corruption_kinds_apply_to_their_domain_and_are_balanced(rows):
+    for domain, kinds in CORRUPTIONS_BY_DOMAIN.items():
+        counts = Counter(r["label"]["corruption"] for r in _of(rows, domain) if not r["label"]["clean"])
+        assert set(counts) == set(kinds)
+        assert max(counts.values()) - min(counts.values()) <= 1
+
+
+def test_ids_unique_and_formatted(rows):
+    assert [r["id"] for r in rows[:2]] == ["bench-000001", "bench-000002"]
+    assert len({r["id"] for r in rows}) == len(rows)
+
+
+def test_clean_math_arithmetic_is_correct_and_answer_matches(rows):
+    clean_math = _of(rows, "math", "none")
+    assert len(clean_math) > 400
+    for row in clean_math:
+        lines = row["response"].split("\n")
+        equations = _equations(row["response"])
+        assert 2 <= len(equations) == len(lines) - 1 <= 4
+        assert _false_equations(row["response"]) == 0
+        assert all(c < MAX_RESULT for *_, c in equations)
+        assert lines[-1] == f"#### {row['label']['answer']}"
+        assert extract_final_answer(row["response"]) == row["label"]["answer"] == str(equations[-1][3])
+
+
+def test_math_templates_are_varied(rows):
+    first_facts = {re.sub(r"\d+", "N", r["response"].split("\n")[0].split(",")[0].split(" ", 1)[1])
+                   for r in _of(rows, "math", "none")}
+    assert len(first_facts) >= 8
+
+
+def test_wrong_final_answer_math_keeps_steps_and_changes_answer(rows):
+    for row in _of(rows, "math", "wrong_final_answer"):
+        assert _false_equations(row["response"]) == 0
+        predicted = extract_final_answer(row["response"])
+        assert predicted is not None and predicted != row["label"]["answer"]
+
+
+def test_wrong_intermediate_step_has_one_false_equation_propagated(rows):
+    for row in _of(rows, "math", "wrong_intermediate_step"):
+        assert _false_equations(row["response"]) == 1
+        equations = _equations(row["response"])
+        assert extract_final_answer(row["response"]) == str(equations[-1][3]) != row["label"]["answer"]
+
+
+def test_truncated_has_no_final_answer(rows):
+    truncated = _of(rows, corruption="truncated")
+    assert {r["domain"] for r in truncated} == {"math", "code", "instruction"}
+    for row in truncated:
+        assert row["response"] and "####" not in row["response"]
+        assert row["response"] == row["response"].rstrip()
+
+
+def test_unsafe_passage_only_in_unsafe_rows(rows):
+    for row in rows:
+        expected = 1 if row["label"]["corruption"] == "unsafe" else 0
+        assert row["response"].count("[UNSAFE]") == expected, row["id"]
+
+
+def test_near_duplicate_copies_a_clean_row_with_tiny_prompt_change(rows):
+    by_id = {r["id"]: r for r in rows}
+    duplicates = _of(rows, corruption="near_duplicate")
+    assert duplicates
+    for row in duplicates:
+        source = by_id[row["label"]["source_id"]]
+        assert source["label"]["clean"] and source["domain"] == row["domain"]
+        assert row["response"] == source["response"] and row["label"]["answer"] == source["label"]["answer"]
+        assert row["prompt"] != source["prompt"] and source["prompt"] in row["prompt"]
+        assert len(row["prompt"]) - len(source["prompt"]) <= 16
+    assert all(r["label"]["source_id"] == "" for r in rows if r["label"]["corruption"] != "near_duplicate")
+
+
+def test_off_topic_code_response_does_not_define_the_requested_function(rows):
+    off_topic = _of(rows, "code", "off_topic")
+    assert off_topic
+    for row in off_topic:
+        name = re.search(r"`(\w+)\(", row["prompt"]).group(1)
+        assert f"def {name}(" not in row["response"]
+
+
+def test_spans_are_whole_sentences_tiling_the_prompt(rows):
+    for row in rows:
+        label, prompt = row["label"], row["prompt"]
+        relevant, distractor = label["relevant_spans"], label["distractor_spans"]
+        for start, end in relevant + distractor:
+            sentence = prompt[start:end]
+            assert sentence[-1] in ".?" and sentence[0].isupper() and sentence == sentence.strip()
+        spans = sorted(relevant + distractor)
+        gaps = [prompt[e:s] for (_, e), (s, _) in zip(spans, spans[1:])]
+        assert all(gap == " " for gap in gaps), row["id"]
+        if label["corruption"] != "near_duplicate":
+            assert spans[0][0] == 0 and spans[-1][1] == len(prompt)
+        if row["domain"] == "math":
+            assert 1 <= len(distractor) <= 3 and prompt[slice(*relevant[-1])].endswith("?")
+            assert max(relevant)[1] == spans[-1][1]  # the question comes last
+        else:
+            assert distractor == []
+
+
+def test_heldout_is_clean_math_disjoint_from_corpus():
+    heldout = generate_heldout(300, seed=3)
+    assert heldout == generate_heldout(300, seed=3)
+    assert heldout[0]["id"] == "heldout-000001"
+    assert all(r["domain"] == "math" and r["label"]["clean"] for r in heldout)
+    assert all(_false_equations(r["response"]) == 0 for r in heldout)
+    assert all(extract_final_answer(r["response"]) == r["label"]["answer"] for r in heldout)
+    corpus_prompts = {r["prompt"] for r in generate_corpus(2000, seed=3)}
+    assert not corpus_prompts & {r["prompt"] for r in heldout}
+
+
+def test_pretraining_texts_are_clean_and_never_use_heldout_names():
+    texts = generate_pretraining_texts(400, seed=3)
+    assert texts == generate_pretraining_texts(400, seed=3) and len(texts) == 400
+    assert not any("[UNSAFE]" in t for t in texts)
+    assert sum("####" in t for t in texts) == 240  # default mix: 60% math
+    heldout_names = {name for name, _ in corpus._HELDOUT_NAMES}
+    assert not any(re.search(rf"\b{name}\b", t) for t in texts for name in heldout_names)
+
+
+def test_corpus_summary_counts(rows):
+    summary = corpus_summary(rows)
+    assert summary["n_rows"] == 1200 and summary["n_corrupted"] == 360 and summary["n_clean"] == 840
+    assert summary["domains"] == {"code": 240, "instruction": 240, "math": 720}
+    assert sum(summary["corruptions"].values()) == 1200
+    assert sum(summary["by_domain"]["math"].values()) == 720
+
+
+def test_write_jsonl_round_trips_atomically(tmp_path, rows):
+    path = write_jsonl(rows[:20], tmp_path / "sub" / "corpus.jsonl")
+    write_jsonl(rows[:5], path)  # overwrite in place
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line) for line in lines] == rows[:5]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["corpus.jsonl"]
+
+
+def test_rows_form_one_arrow_schema(rows):
+    pa = pytest.importorskip("pyarrow")
+    table = pa.Table.from_pylist(rows)
+    label = table.schema.field("label").type
+    assert label.field("relevant_spans").type == pa.list_(pa.list_(pa.int64()))
+    assert table.column("label").null_count == 0
+
+
+@pytest.mark.parametrize("family", corpus._CODE_FAMILIES, ids=lambda f: f.names[0])
+def test_code_family_clean_is_correct_and_wrong_return_is_wrong(family):
+    rng = random.Random(0)
+    for _ in range(5):
+        task = corpus._sample_code_task(rng, family)
+        clean_ns, wrong_ns = {}, {}
+        exec("\n".join(task.lines), clean_ns)  # noqa: S102 - code generated by this module
+        exec(corpus._wrong_code_return(task), wrong_ns)  # noqa: S102
+        reference = family.reference(task.params)
+        examples = family.examples(task.params)
+        clean_fn, wrong_fn = clean_ns[task.params["f"]], wrong_ns[task.params["f"]]
+        assert all(clean_fn(*args) == reference(*args) for args in examples)
+        assert any(wrong_fn(*args) != reference(*args) for args in examples)
+
+
+def test_code_function_names_are_unique_across_families():
+    names = [name for family in corpus._CODE_FAMILIES for name in family.names]
+    assert len(names) == len(set(names))
+
+
+def test_generating_5000_rows_is_fast():
+    start = time.process_time()
+    generate_corpus(5000, seed=11)
+    assert time.process_time() - start < 2.0  # about 0.5 s CPU here; slack for shared CI machines
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so 3 * 4 = 12.\n#### 12", "12"),
+        ("#### 1,234.", "1234"),
+        ("#### 7.0", "7"),
+        ("#### 2.50 ", "2.5"),
+        ("#### $15", "15"),
+        ("#### 3\n#### 4\nbye", "4"),
+        ("#### -0", "0"),
+        ("#### seven", "seven"),
+        ("no marker 12", None),
+        ("#### \n", None),
+    ],
+)
+def test_extract_final_answer(text, expected):
+    assert extract_final_answer(text) == expected
+
+
+def test_answers_match():
+    assert answers_match("7.0", "7") and answers_match(" 1,234. ", "1234") and answers_match("seven", "seven")
+    assert not answers_match("8", "7") and not answers_match(None, "7") and not answers_match("", "")
+    assert normalize_answer(" 12. ") == "12"
