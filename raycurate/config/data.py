@@ -1,0 +1,45 @@
+"""Config section ``data``: corpus inputs, validation mode, splits, length limit and the embedded corpus."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raycurate.config.base import option
+
+
+@dataclass
+class DataConfig:
+    """Where the corpus comes from and how it is validated, split and tokenized (SPEC §3, §9)."""
+
+    input: str | list[str] = option(
+        "",
+        "Corpus path(s): jsonl/parquet files, folders, globs or HF save_to_disk folders; empty = the embedded corpus.",
+    )
+    validation_input: str | None = option(
+        None,
+        "Optional separate validation file/folder; its rows form the validation split and the main input is split "
+        "over the remaining split_ratios (rescaled).",
+    )
+    strict: bool = option(
+        False,
+        "Stop at the first bad row with an error naming file, line and field, instead of writing it to rejected.jsonl.",
+    )
+    split_seed: int = option(0, "Seed of the deterministic (id, seed) -> split assignment.")
+    split_ratios: dict[str, float] = option(
+        {"warmup": 0.05, "validation": 0.05, "selection": 0.90},
+        "Split name -> fraction of accepted rows (must sum to 1; order fixes the hash intervals).",
+    )
+    max_length: int = option(
+        512, "Longest tokenized sequence (prompt + response + specials); longer rows are rejected as over_length."
+    )
+    shard_rows: int = option(50_000, "Accepted rows per parquet shard written by ingest.")
+    corpus_rows: int = option(3000, "Rows of the embedded benchmark corpus (used when input is empty).")
+    corpus_seed: int = option(0, "Seed of the embedded corpus generator.")
+    corrupt_fraction: float = option(0.3, "Fraction of embedded-corpus responses that are corrupted (and labelled).")
+    heldout_rows: int = option(200, "Held-out clean embedded-corpus rows kept for evaluation (never trained on).")
+
+    def input_paths(self) -> list[str]:
+        """``input`` as a list (empty list = use the embedded corpus)."""
+        if isinstance(self.input, str):
+            return [self.input] if self.input else []
+        return list(self.input)

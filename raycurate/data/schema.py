@@ -1,0 +1,84 @@
+"""The corpus schema (SPEC §3): required fields, domains, reject reasons and the strict-mode error.
+
+Every keep/drop decision on an input row carries one of the reason codes below; rejected rows are written to
+``rejected.jsonl`` with that code (default mode) or raised as :class:`DataValidationError` (strict mode).
+
+Reserved columns: ingest adds ``split``, ``source`` (input file) and ``line`` (1-based row/line number in that
+file).  An input field with one of those names is kept under ``input_<name>`` instead of being overwritten.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REQUIRED_FIELDS: tuple[str, ...] = ("prompt", "response")
+DOMAINS: tuple[str, ...] = ("math", "code", "instruction")
+RESERVED_COLUMNS: tuple[str, ...] = ("split", "source", "line")
+
+# Reason codes: one per way an input row can be rejected.
+MALFORMED_JSON = "malformed_json"
+NON_UTF8 = "non_utf8"
+WRONG_TYPE = "wrong_type"
+MISSING_FIELD = "missing_field"
+EMPTY_FIELD = "empty_field"
+DUPLICATE_ID = "duplicate_id"
+UNKNOWN_DOMAIN = "unknown_domain"
+OVER_LENGTH = "over_length"
+REASONS: tuple[str, ...] = (
+    MALFORMED_JSON,
+    NON_UTF8,
+    WRONG_TYPE,
+    MISSING_FIELD,
+    EMPTY_FIELD,
+    DUPLICATE_ID,
+    UNKNOWN_DOMAIN,
+    OVER_LENGTH,
+)
+# File-level condition (no rows): an error in strict mode, a warning otherwise.
+EMPTY_FILE = "empty_file"
+
+MAX_RAW_CHARS = 2000
+
+
+class DataValidationError(ValueError):
+    """A bad input row (or empty file) in strict mode, located by file, line and field.
+
+    Attributes:
+        file: Input file the row came from.
+        line: 1-based line (jsonl) or row (parquet / HF dataset) number; 0 for file-level problems.
+        field: Offending field, or ``None`` when the whole row/file is at fault.
+        reason: One of :data:`REASONS` or :data:`EMPTY_FILE`.
+        detail: Human-readable specifics ("empty string", "expected str, got int", ...).
+    """
+
+    def __init__(self, file: str, line: int, field: str | None, reason: str, detail: str) -> None:
+        self.file = file
+        self.line = line
+        self.field = field
+        self.reason = reason
+        self.detail = detail
+        where = f"{file}:{line}" if line else file
+        what = f"field '{field}': {detail}" if field else detail
+        fix = (
+            "fix the row or run without strict mode to reject it (rejected rows go to rejected.jsonl)"
+            if line
+            else "fix or remove the file, or run without strict mode to skip it with a warning"
+        )
+        super().__init__(f"{where}: {what} [{reason}] — {fix}")
+
+
+def rejected_row(
+    source: str,
+    line: int,
+    reason: str,
+    field: str | None,
+    detail: str,
+    raw: str,
+    example_id: str | None = None,
+) -> dict[str, Any]:
+    """One ``rejected.jsonl`` entry; ``raw`` is truncated to :data:`MAX_RAW_CHARS` characters."""
+    row: dict[str, Any] = {"source": source, "line": line, "reason": reason, "field": field, "detail": detail}
+    if example_id is not None:
+        row["id"] = example_id
+    row["raw"] = raw if len(raw) <= MAX_RAW_CHARS else raw[:MAX_RAW_CHARS] + "…[truncated]"
+    return row
