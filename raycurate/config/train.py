@@ -1,0 +1,48 @@
+"""Config section for supervised fine-tuning on Ray Train (``train:`` in a job YAML).
+
+Batch arithmetic: every optimizer step consumes ``effective_batch_size`` examples, made of
+``num_workers`` workers x ``gradient accumulation`` micro-steps x ``micro_batch_size`` examples, so
+``effective_batch_size`` must be a multiple of ``micro_batch_size * num_workers``.
+
+``use_gpu`` and ``bf16`` are tri-state: ``null`` (the default) means "decide from the hardware"
+(GPU iff the Ray cluster has GPUs; bf16 iff training runs on CUDA), ``true``/``false`` force it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raycurate.config.base import option
+
+
+@dataclass
+class TrainConfig:
+    """Supervised fine-tuning on Ray Train (DeepSpeed ZeRO or plain DDP)."""
+
+    engine: str = option(
+        "deepspeed", "Distributed engine: DeepSpeed ZeRO or plain torch DDP.", choices=("deepspeed", "ddp")
+    )
+    zero_stage: int = option(2, "DeepSpeed ZeRO stage (0 = plain data parallel, 3 = partitioned parameters).",
+                             choices=(0, 1, 2, 3))
+    num_workers: int = option(2, "Ray Train workers (data-parallel ranks).")
+    cpus_per_worker: float | None = option(
+        None, "CPUs reserved per worker; null sizes it from the cluster so the pool fits beside the driver."
+    )
+    use_gpu: bool | None = option(None, "Train on GPUs (one per worker); null = yes iff the Ray cluster has GPUs.")
+    lr: float = option(2e-5, "Peak learning rate of AdamW.")
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay.")
+    warmup_ratio: float = option(0.03, "Fraction of optimizer steps with linear warmup before the cosine decay.")
+    epochs: int = option(1, "Passes over the training table.")
+    max_steps: int | None = option(None, "Cap on optimizer steps (null = epochs x steps per epoch).")
+    micro_batch_size: int = option(4, "Examples per worker per forward/backward pass.")
+    effective_batch_size: int = option(
+        8, "Examples per optimizer step over all workers; a multiple of micro_batch_size * num_workers."
+    )
+    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.")
+    bf16: bool | None = option(None, "bf16 mixed precision; null = on iff training runs on CUDA.")
+    seed: int = option(0, "Seed of the data order (per epoch) and of dropout.")
+    checkpoint_every_steps: int | None = option(
+        None, "Save a resumable checkpoint every N optimizer steps (null = at the end of each epoch)."
+    )
+    keep_checkpoints: int = option(2, "Most recent checkpoints kept in Ray Train storage.")
+    log_every_steps: int = option(10, "Rank 0 logs loss and learning rate every N optimizer steps.")

@@ -1,0 +1,93 @@
+"""DeepSpeed config dict and the batch arithmetic shared by both training engines (pure, no Ray/DeepSpeed import).
+
+Decisions:
+
+* The optimizer and LR scheduler are client objects (``torch.optim.AdamW`` + ``LambdaLR``) handed to
+  ``deepspeed.initialize``; the config therefore has no ``optimizer``/``scheduler`` blocks and sets
+  ``zero_allow_untested_optimizer`` (DeepSpeed's own CPU Adam JIT-compiles for about a minute).
+* ``overlap_comm`` is off: it needs CUDA streams and buys nothing at the model sizes run on CPU.
+* ZeRO-3 sets ``stage3_gather_16bit_weights_on_model_save`` so the final HF export can gather the full
+  state dict onto rank 0 layer by layer instead of materialising it on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raycurate.config.train import TrainConfig
+
+_NEVER_PRINT = 10**9
+
+
+def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
+    """Gradient-accumulation micro-steps per optimizer step.
+
+    Args:
+        cfg: Training config (``micro_batch_size``, ``effective_batch_size``).
+        world_size: Data-parallel workers.
+
+    Returns:
+        ``effective_batch_size / (micro_batch_size * world_size)``.
+
+    Raises:
+        ValueError: When the effective batch is not a positive multiple of ``micro_batch_size * world_size``.
+    """
+    if cfg.micro_batch_size < 1 or world_size < 1:
+        raise ValueError(
+            f"micro_batch_size={cfg.micro_batch_size} and num_workers={world_size} must both be >= 1."
+        )
+    per_pass = cfg.micro_batch_size * world_size
+    if cfg.effective_batch_size < per_pass or cfg.effective_batch_size % per_pass != 0:
+        raise ValueError(
+            f"train.effective_batch_size={cfg.effective_batch_size} must be a positive multiple of "
+            f"micro_batch_size * num_workers = {cfg.micro_batch_size} * {world_size} = {per_pass}; "
+            f"set effective_batch_size to {per_pass}, {2 * per_pass}, {4 * per_pass}, ... "
+            "or change micro_batch_size / num_workers."
+        )
+    return cfg.effective_batch_size // per_pass
+
+
+def _zero_block(stage: int) -> dict[str, Any]:
+    block: dict[str, Any] = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True}
+    if stage in (1, 2):
+        block.update({"allgather_partitions": True, "reduce_scatter": True,
+                      "allgather_bucket_size": 200_000_000, "reduce_bucket_size": 200_000_000})
+    if stage == 3:
+        block.update({
+            "reduce_bucket_size": 50_000_000,
+            "stage3_prefetch_bucket_size": 50_000_000,
+            "stage3_param_persistence_threshold": 100_000,
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_max_reuse_distance": 1_000_000_000,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        })
+    return block
+
+
+def deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str, Any]:
+    """The DeepSpeed config for one training run.
+
+    Args:
+        cfg: Training config.
+        world_size: Data-parallel workers.
+        bf16: Whether to train in bf16 mixed precision (fp32 master weights in the optimizer).
+
+    Returns:
+        A config dict for ``deepspeed.initialize(config=...)``; ``train_batch_size`` equals
+        ``train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size``.
+    """
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"train.zero_stage={cfg.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3.")
+    accum = grad_accum_steps(cfg, world_size)
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": cfg.micro_batch_size * accum * world_size,
+        "gradient_clipping": float(cfg.grad_clip),
+        "zero_optimization": _zero_block(cfg.zero_stage),
+        "bf16": {"enabled": bool(bf16)},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": _NEVER_PRINT,
+        "wall_clock_breakdown": False,
+    }

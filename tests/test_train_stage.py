@@ -1,0 +1,309 @@
+"""SFT stage: DeepSpeed config arithmetic, data order, the worker loop in-process, and Ray Train launches."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raycurate.config.train import TrainConfig
+from raycurate.stages.deepspeed_config import deepspeed_config, grad_accum_steps
+from raycurate.stages.train import (
+    METRICS_FILE,
+    SFTJob,
+    collate,
+    cosine_with_warmup,
+    epoch_order,
+    load_token_table,
+    micro_batch_rows,
+    total_steps,
+    train_loop,
+)
+
+VOCAB = 64
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+def _write_tiny_model(path: str) -> str:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(path)
+    return path
+
+
+def _write_token_table(path: str, rows: int = 16, with_weight: bool = True) -> str:
+    rng = np.random.default_rng(0)
+    ids, input_ids, prompt_lens, masks, weights = [], [], [], [], []
+    for i in range(rows):
+        length, prompt_len = int(rng.integers(6, 13)), int(rng.integers(2, 5))
+        tokens = [1] + rng.integers(3, VOCAB, size=length - 2).tolist() + [2]
+        ids.append(f"ex{i:03d}")
+        input_ids.append(tokens)
+        prompt_lens.append(prompt_len)
+        masks.append([0] * prompt_len + [1] * (length - prompt_len))
+        weights.append(0.5 + (i % 3) * 0.5)
+    columns = {
+        "id": pa.array(ids),
+        "input_ids": pa.array(input_ids, type=pa.list_(pa.int32())),
+        "prompt_len": pa.array(prompt_lens, type=pa.int32()),
+        "loss_mask": pa.array(masks, type=pa.list_(pa.int8())),
+    }
+    if with_weight:
+        columns["weight"] = pa.array(weights, type=pa.float32())
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return _write_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture(scope="module")
+def token_table(tmp_path_factory) -> str:
+    return _write_token_table(str(tmp_path_factory.mktemp("table") / "train.parquet"))
+
+
+def _weights(model_dir: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------ DeepSpeed config
+
+
+def test_deepspeed_config_traces_the_train_config():
+    cfg = TrainConfig(micro_batch_size=2, effective_batch_size=16, zero_stage=3, grad_clip=0.5)
+    ds = deepspeed_config(cfg, world_size=2, bf16=True)
+    assert ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["train_batch_size"] == 16 == 2 * 4 * 2
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["bf16"] == {"enabled": True}
+    assert ds["zero_allow_untested_optimizer"] is True
+    assert ds["steps_per_print"] >= 10**6
+    assert "optimizer" not in ds and "scheduler" not in ds  # client AdamW + LambdaLR
+    ds2 = deepspeed_config(TrainConfig(zero_stage=2), world_size=2, bf16=False)
+    assert ds2["zero_optimization"]["stage"] == 2 and ds2["bf16"]["enabled"] is False
+    assert "stage3_gather_16bit_weights_on_model_save" not in ds2["zero_optimization"]
+
+
+@pytest.mark.parametrize("effective", [6, 2])
+def test_batch_divisibility_error_says_how_to_fix(effective):
+    cfg = TrainConfig(micro_batch_size=2, effective_batch_size=effective)
+    with pytest.raises(ValueError, match=r"multiple of micro_batch_size \* num_workers = 2 \* 2 = 4; set "
+                                         r"effective_batch_size to 4, 8, 16"):
+        grad_accum_steps(cfg, world_size=2)
+    with pytest.raises(ValueError, match="effective_batch_size"):
+        deepspeed_config(cfg, world_size=2, bf16=False)
+
+
+# ------------------------------------------------------------------------------------------ data order
+
+
+def test_micro_batches_are_equal_per_rank_disjoint_and_drop_only_the_remainder():
+    order = epoch_order(23, seed=3, epoch=0)
+    rows = micro_batch_rows(order, world_size=2, micro_batch_size=2, accum=2)  # 8 rows per step
+    assert rows.shape == (2, 2, 2, 2)
+    used = rows.reshape(-1)
+    assert len(set(used.tolist())) == 16
+    assert used.tolist() == order[:16].tolist()  # the 23 mod 8 = 7 trailing rows wait for the next epoch
+    assert np.array_equal(epoch_order(23, 3, 0), order)
+    assert not np.array_equal(epoch_order(23, 3, 1), order)
+
+
+def test_total_steps_counts_epochs_and_max_steps():
+    assert total_steps(17, TrainConfig(micro_batch_size=1, effective_batch_size=4, epochs=3)) == 12
+    assert total_steps(17, TrainConfig(micro_batch_size=1, effective_batch_size=4, epochs=3, max_steps=5)) == 5
+    with pytest.raises(ValueError, match="fewer than one effective batch"):
+        total_steps(3, TrainConfig(micro_batch_size=1, effective_batch_size=4))
+
+
+def test_cosine_with_warmup_values():
+    assert cosine_with_warmup(0, 2, 10) == pytest.approx(1 / 3)
+    assert cosine_with_warmup(1, 2, 10) == pytest.approx(2 / 3)
+    assert cosine_with_warmup(2, 2, 10) == pytest.approx(1.0)
+    assert cosine_with_warmup(6, 2, 10) == pytest.approx(0.5)  # halfway through the 8 decay steps
+    assert cosine_with_warmup(0, 0, 4) == pytest.approx(1.0)
+
+
+def test_token_table_sorted_by_id_default_weight_and_collate(tmp_path):
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(pa.table({
+        "id": ["b", "a"],
+        "input_ids": pa.array([[1, 5, 6, 2], [1, 7, 2]], type=pa.list_(pa.int32())),
+        "loss_mask": pa.array([[0, 0, 1, 1], [0, 1, 1]], type=pa.list_(pa.int8())),
+        "prompt_len": pa.array([2, 1], type=pa.int32()),
+    }), path)
+    table = load_token_table(path)
+    assert table.ids.tolist() == ["a", "b"]
+    assert table.weights.tolist() == [1.0, 1.0]
+    batch = collate(table, np.array([0, 1]), pad_id=0)
+    assert batch["input_ids"].tolist() == [[1, 7, 2, 0], [1, 5, 6, 2]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 0], [0, 0, 1, 1]]
+    pq.write_table(pa.table({"id": ["a"], "input_ids": [[1, 2]]}), path)
+    with pytest.raises(ValueError, match=r"lacks columns \['loss_mask'\]"):
+        load_token_table(path)
+
+
+# ------------------------------------------------------------------------------------------ loop, in-process
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+class LocalSession:
+    """Single-process stand-in for Ray Train: keeps reported checkpoints, can crash after the n-th one."""
+
+    rank, world_size, device = 0, 1, torch.device("cpu")
+
+    def __init__(self, store: str, crash_after_checkpoints: int | None = None) -> None:
+        self.store, self.crash_after = store, crash_after_checkpoints
+        self.reports: list[dict] = []
+        os.makedirs(store, exist_ok=True)
+
+    @contextlib.contextmanager
+    def restore_dir(self):
+        saved = sorted(os.listdir(self.store))
+        yield os.path.join(self.store, saved[-1]) if saved else None
+
+    def report(self, metrics, checkpoint_dir):
+        self.reports.append(metrics)
+        if checkpoint_dir is not None:
+            shutil.copytree(checkpoint_dir, os.path.join(self.store, f"step_{metrics['step']:05d}"))
+            if self.crash_after is not None and len(os.listdir(self.store)) == self.crash_after:
+                raise _Crash("simulated worker failure")
+
+
+def test_resumed_loop_matches_uninterrupted_run(tiny_model, token_table, tmp_path):
+    # 16 rows, effective batch 4 -> 4 steps/epoch; 6 steps cross an epoch; accumulation of 2 micro-batches.
+    cfg = TrainConfig(engine="ddp", micro_batch_size=2, effective_batch_size=4, epochs=2, max_steps=6, lr=1e-2,
+                      warmup_ratio=0.2, checkpoint_every_steps=3, num_workers=1, seed=7, log_every_steps=1)
+    straight_job = SFTJob(token_table, tiny_model, str(tmp_path / "straight"), cfg, False, 1.0)
+    straight = train_loop(straight_job, LocalSession(str(tmp_path / "ckpt_a")))
+
+    resumed_job = SFTJob(token_table, tiny_model, str(tmp_path / "resumed"), cfg, False, 1.0)
+    with pytest.raises(_Crash):  # dies right after the step-3 checkpoint, mid-epoch 0
+        train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b"), crash_after_checkpoints=1))
+    assert not os.path.exists(resumed_job.output_dir)
+    resumed = train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b")))
+
+    assert straight["start_step"] == 0 and resumed["start_step"] == 3
+    assert resumed["steps"] == straight["steps"] == 6
+    assert resumed["loss_per_step"] == pytest.approx(straight["loss_per_step"], rel=1e-5)
+    assert resumed["lr_per_step"] == pytest.approx(straight["lr_per_step"])
+    assert straight["lr_per_step"][0] == pytest.approx(1e-2 / 2)  # warmup of round(0.2 * 6) = 1 step
+    assert straight["examples"] == 24
+    a, b, init = _weights(straight_job.output_dir), _weights(resumed_job.output_dir), _weights(tiny_model)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a[k], init[k]) for k in a)
+    with open(os.path.join(resumed_job.output_dir, METRICS_FILE)) as f:
+        assert json.load(f)["loss_per_step"] == resumed["loss_per_step"]
+    assert os.path.exists(os.path.join(resumed_job.output_dir, "tokenizer.json"))
+
+
+# ------------------------------------------------------------------------------------------ Ray Train launches
+
+
+def _launch(label: str, *args, **kwargs) -> dict:
+    from raycurate.stages.train import run_sft
+
+    started = time.perf_counter()
+    metrics = run_sft(*args, **kwargs)
+    print(f"[timing] {label}: {time.perf_counter() - started:.1f} s")
+    return metrics
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_deepspeed_zero2_two_workers_checkpoint_and_resume(ray_local, tiny_model, token_table, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, storage = str(tmp_path / "model"), str(tmp_path / "ray_storage")
+    # 2 workers x micro 1 x accum 2 = effective 4 -> 4 steps per epoch.
+    cfg = TrainConfig(engine="deepspeed", zero_stage=2, num_workers=2, micro_batch_size=1, effective_batch_size=4,
+                      max_steps=2, checkpoint_every_steps=2, lr=1e-2, log_every_steps=1)
+    first = _launch("deepspeed zero2 2 steps", token_table, tiny_model, out, cfg, storage_dir=storage, name="sft")
+    assert first["start_step"] == 0 and first["steps"] == 2 and first["world_size"] == 2
+    assert os.path.isdir(os.path.join(storage, "sft", "checkpoint_step_00000002"))
+
+    cfg.max_steps = 4
+    second = _launch("deepspeed zero2 resume to 4", token_table, tiny_model, out, cfg, storage_dir=storage,
+                     name="sft")
+    assert second["start_step"] == 2 and second["steps"] == 4
+    assert len(second["loss_per_step"]) == 4
+    assert second["loss_per_step"][:2] == first["loss_per_step"]
+    # The extended run follows its own 4-step cosine (no warmup: round(0.03 * 4) = 0) from step 3 on.
+    assert second["lr_per_step"][2:] == pytest.approx([1e-2 * cosine_with_warmup(s, 0, 4) for s in (2, 3)])
+    assert all(np.isfinite(second["loss_per_step"]))
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert os.path.exists(os.path.join(out, "model.safetensors"))
+    assert AutoTokenizer.from_pretrained(out).eos_token == "</s>"
+    init = _weights(tiny_model)
+    assert any(not torch.equal(v, init[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_ddp_two_workers_trains_and_exports(ray_local, tiny_model, token_table, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "model")
+    cfg = TrainConfig(engine="ddp", num_workers=2, micro_batch_size=2, effective_batch_size=4, max_steps=2,
+                      lr=1e-2)
+    metrics = _launch("ddp 2 steps", token_table, tiny_model, out, cfg, storage_dir=str(tmp_path / "rs"),
+                      name="ddp")
+    assert metrics["steps"] == 2 and metrics["engine"] == "ddp"
+    assert metrics["examples"] == 8
+    init = _weights(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert any(not torch.equal(v, init[k]) for k, v in model.state_dict().items())
+
+
+def test_resync_schedule_puts_an_extended_run_on_its_new_schedule():
+    from raycurate.stages.train import _optimizer_and_schedule, resync_schedule
+
+    model = torch.nn.Linear(2, 2)
+    old_opt, old_sched = _optimizer_and_schedule(model, TrainConfig(lr=1.0, warmup_ratio=0.0), run_steps=2)
+    for _ in range(2):
+        old_opt.step()
+        old_sched.step()
+    assert old_opt.param_groups[0]["lr"] == pytest.approx(0.0)  # end of the 2-step cosine
+    new_opt, new_sched = _optimizer_and_schedule(model, TrainConfig(lr=0.5, warmup_ratio=0.0), run_steps=4)
+    new_opt.load_state_dict(old_opt.state_dict())
+    new_sched.load_state_dict(old_sched.state_dict())
+    resync_schedule(new_sched, 0.5)
+    expected = 0.5 * cosine_with_warmup(2, 0, 4)  # = 0.25
+    assert [g["lr"] for g in new_opt.param_groups] == pytest.approx([expected, expected])
+    new_opt.step()
+    new_sched.step()
+    assert new_opt.param_groups[0]["lr"] == pytest.approx(0.5 * cosine_with_warmup(3, 0, 4))
