@@ -8,7 +8,8 @@ Decisions (documented in ``docs/ray.md``):
   ``RAY_AUTH_MODE=disabled`` to opt out on a trusted single-user machine.
 * Ray's session files go to ``temp_dir`` when given, else Ray's default ``/tmp/ray``.
 * Actor pools never ask for a whole CPU per actor on small machines: on a 2-CPU node an actor pool of
-  1-CPU actors starves the read tasks and the pipeline deadlocks.  :func:`actor_cpus` hands out fractions.
+  1-CPU actors starves the read tasks and the pipeline deadlocks.  :func:`actor_cpus` hands out fractions that keep
+  one whole CPU free.
 """
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ def cluster_gpus() -> float:
 
 
 def actor_cpus(requested: float | None, num_actors: int, total_cpus: float) -> float:
-    """CPUs per actor that always leave room for Ray Data's read/write tasks.
+    """CPUs per actor that always leave one whole CPU for Ray Data's read/write tasks.
+
+    Ray Data tasks ask for 1 CPU each; if an actor pool holds more than ``total - 1`` CPUs, the read task that
+    feeds the pool can never be scheduled and the pipeline hangs.
 
     Args:
         requested: CPUs per actor from the config; ``None`` means "size it from the cluster".
@@ -97,8 +101,8 @@ def actor_cpus(requested: float | None, num_actors: int, total_cpus: float) -> f
         total_cpus: CPUs in the cluster.
 
     Returns:
-        ``requested`` when the pool plus one spare CPU fits, else the fraction that leaves half a CPU free.
+        ``requested`` when the pool plus one spare CPU fits, else the fraction that leaves one CPU free.
     """
-    if requested is not None and requested * num_actors + 0.5 <= total_cpus:
+    if requested is not None and requested * num_actors + 1.0 <= total_cpus:
         return requested
-    return max(0.05, round((total_cpus - 0.5) / max(num_actors, 1), 3))
+    return max(0.01, round((total_cpus - 1.0) / max(num_actors, 1), 3))

@@ -1,0 +1,60 @@
+"""The Ray Data stage template: resource arithmetic (pure) and a real local run with 2 actors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+from raycurate.stages.runtime import actor_cpus
+
+
+def test_whole_cpu_actors_are_shrunk_on_a_two_cpu_node():
+    # 2 actors x 1 CPU on 2 CPUs would leave nothing for the read task: the pool would deadlock.
+    assert actor_cpus(1.0, 2, 2.0) == 0.5
+    assert actor_cpus(None, 2, 2.0) == 0.5
+    assert actor_cpus(1.0, 2, 8.0) == 1.0
+    assert actor_cpus(None, 4, 8.0) == 1.75
+
+
+def test_pool_uses_gpus_when_the_cluster_has_them():
+    pool = resolve_pool(ActorPoolConfig(num_actors=8), total_cpus=32, total_gpus=4)
+    assert pool.num_gpus == 1.0 and pool.num_actors == 4
+    cpu_pool = resolve_pool(ActorPoolConfig(num_actors=2), total_cpus=2, total_gpus=0)
+    assert cpu_pool.num_gpus == 0.0 and cpu_pool.num_actors == 2 and cpu_pool.num_cpus * 2 + 1.0 <= 2
+
+
+class AddOffsetUDF:
+    """Built once per actor; records which process handled each row."""
+
+    def __init__(self, offset: int):
+        self.offset = offset
+        self.pid = os.getpid()
+
+    def __call__(self, batch):
+        import time
+
+        import pyarrow as pa
+
+        time.sleep(0.1)  # long enough that the pool spreads the 16 batches over both actors
+
+        values = [v + self.offset for v in batch["x"].to_pylist()]
+        return batch.append_column("y", pa.array(values)).append_column("pid", pa.array([self.pid] * len(values)))
+
+
+@pytest.mark.ray
+def test_actor_pool_stage_runs_on_two_cpus_without_deadlock(ray_local):
+    import sys
+
+    import ray.cloudpickle
+    import ray.data
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the tests folder
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    ds = ray.data.range(400, override_num_blocks=8).map_batches(
+        lambda b: {"x": b["id"]}, batch_format="numpy")
+    pool = resolve_pool(ActorPoolConfig(num_actors=2, cpus_per_actor=1.0, batch_size=25))
+    rows = map_with_actor_pool(ds, AddOffsetUDF, {"offset": 10}, pool).take_all()
+    assert [r["y"] for r in rows] == [x + 10 for x in range(400)]
+    assert len({r["pid"] for r in rows}) == 2, "both actors should have taken batches"
