@@ -87,6 +87,11 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         return _build(tp, value, key, problems)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-3" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if tp is bool and not isinstance(value, bool):
         problems.append(f"{key}: expected true or false, got {value!r}")
         return value

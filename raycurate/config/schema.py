@@ -1,0 +1,60 @@
+"""The job config: one typed section per concern, loaded from ``jobs/*.yaml`` with ``key=value`` overrides.
+
+``raycurate run --help-config`` prints every key with its type, default and description.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from raycurate.config.base import option
+from raycurate.config.data import DataConfig
+from raycurate.config.model import ModelConfig
+from raycurate.config.train import TrainConfig
+from raycurate.stages.ray_data import ActorPoolConfig
+
+PIPELINES = ("demo", "sft")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Where the run lives and how it reports."""
+
+    name: str = option("demo", "Run name; outputs go to <runs_dir>/<name>/.")
+    runs_dir: str = option("runs", "Folder holding run directories (local path).")
+    seed: int = option(0, "Global seed for samplers that have no seed of their own.")
+    progress: bool = option(True, "Show progress bars.")
+    force: list[str] = option([], "Stages to re-run even when their outputs are current (or ['all']).")
+
+
+@dataclasses.dataclass
+class RayConfig:
+    """How to reach Ray."""
+
+    address: str | None = option(None, "null starts a local Ray; 'auto' joins the cluster of a submitted job.")
+    num_cpus: int | None = option(None, "CPUs of a local Ray instance (null: all cores).")
+    temp_dir: str | None = option(None, "Ray session folder for a local instance (null: Ray's default /tmp/ray).")
+    object_store_memory: int | None = option(None, "Object store bytes for a local instance (null: Ray's default).")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Held-out evaluation of trained checkpoints (exact match of the final answer and gold-response loss)."""
+
+    max_new_tokens: int = option(96, "Greedy generation budget per held-out question.")
+    batch_size: int = option(32, "Questions per generation batch.")
+    pool: ActorPoolConfig = option(ActorPoolConfig(num_actors=2, batch_size=50), "Actor pool for evaluation.")
+
+
+@dataclasses.dataclass
+class JobConfig:
+    """A complete raycurate job."""
+
+    pipeline: str = option("demo", "Pipeline to run.", choices=PIPELINES)
+    run: RunConfig = option(RunConfig(), "Run directory and reporting.")
+    ray: RayConfig = option(RayConfig(), "Ray connection.")
+    data: DataConfig = option(DataConfig(), "Input data, validation and splits.")
+    model: ModelConfig = option(ModelConfig(), "Base model and tokenizer.")
+    tokenize: ActorPoolConfig = option(ActorPoolConfig(batch_size=256), "Actor pool for tokenization.")
+    train: TrainConfig = option(TrainConfig(), "Fine-tuning (Ray Train).")
+    eval: EvalConfig = option(EvalConfig(), "Held-out evaluation.")

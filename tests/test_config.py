@@ -1,0 +1,75 @@
+"""Config loading: typed sections, overrides, errors that name the key, and every shipped YAML validates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from raycurate.config.loader import ConfigError, apply_overrides, config_hash, from_dict, load_config, read_yaml
+from raycurate.config.schema import JobConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_build():
+    cfg = JobConfig()
+    assert cfg.pipeline == "demo" and cfg.train.engine == "deepspeed"
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(JobConfig, None, ["train.lr=1e-3", "train.max_steps=7", "data.split_seed=4",
+                                        "run.force=[tokenize]"])
+    assert cfg.train.lr == pytest.approx(1e-3) and cfg.train.max_steps == 7
+    assert cfg.data.split_seed == 4 and cfg.run.force == ["tokenize"]
+
+
+def test_int_is_accepted_for_float_but_not_str_for_int():
+    cfg = from_dict(JobConfig, {"train": {"lr": 1}})
+    assert isinstance(cfg.train.lr, float)
+    with pytest.raises(ConfigError, match=r"train.num_workers: expected int, got str"):
+        from_dict(JobConfig, {"train": {"num_workers": "two"}})
+
+
+def test_all_problems_reported_together_with_allowed_values():
+    with pytest.raises(ConfigError) as info:
+        from_dict(JobConfig, {"train": {"zero_stage": 5, "lrr": 1.0}, "pipeline": "nope", "bogus": 1})
+    text = str(info.value)
+    assert "4 problems" in text
+    assert "train.zero_stage: 5 is not one of [0, 1, 2, 3]" in text
+    assert "train.lrr: unknown key; allowed keys in 'train':" in text and "effective_batch_size" in text
+    assert "pipeline: 'nope' is not one of" in text
+    assert "bogus: unknown key; allowed keys in the top level" in text
+
+
+def test_bool_is_not_an_int_and_int_is_not_a_bool():
+    with pytest.raises(ConfigError, match="data.strict: expected true or false"):
+        from_dict(JobConfig, {"data": {"strict": 1}})
+    with pytest.raises(ConfigError, match="train.epochs: expected int, got bool"):
+        from_dict(JobConfig, {"train": {"epochs": True}})
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides({}, ["train.lr"])
+
+
+def test_config_hash_tracks_values():
+    a, b = JobConfig(), JobConfig()
+    assert config_hash(a.train) == config_hash(b.train)
+    b.train.lr = 0.5
+    assert config_hash(a.train) != config_hash(b.train)
+    assert config_hash(a.data) == config_hash(b.data)
+
+
+def shipped_yaml_files() -> list[Path]:
+    return sorted([*ROOT.glob("jobs/*.yaml"), *ROOT.glob("tune/*.yaml"), ROOT / "raycurate/config/demo.yaml"])
+
+
+@pytest.mark.parametrize("path", shipped_yaml_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shipped_yaml_validates(path):
+    load_config(JobConfig, path)
+
+
+def test_packaged_demo_job_equals_jobs_demo():
+    assert read_yaml(ROOT / "jobs/demo.yaml") == read_yaml(ROOT / "raycurate/config/demo.yaml")
