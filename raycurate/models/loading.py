@@ -1,0 +1,262 @@
+"""Load local HF checkpoints (tiny or real) and expose attention weights and head geometry.
+
+Decisions:
+
+* Nothing here reaches a hub: every ``from_pretrained`` call passes ``local_files_only=True``.
+* With transformers 5, ``output_attentions=True`` under ``sdpa`` silently returns an empty ``attentions`` tuple.
+  :func:`enable_attention_outputs` switches the model to an attention implementation that materialises weights:
+  plain ``"eager"`` for all layers, or, for a subset of layers, a registered implementation
+  (``"raycurate_selective_eager"``) that runs the model's own eager attention on the chosen layers and SDPA on the
+  others, so a 3B model does not store (B, H, T, T) weights for every layer.  In the selective mode
+  ``outputs.attentions`` still has one entry per layer so ``outputs.attentions[l]`` is layer ``l``; unselected
+  layers hold an empty placeholder of shape (B, n_heads, 0, 0).  :func:`check_attentions` verifies the result.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from raycurate.models.tiny import TINY_PRESETS, build_tiny_model, is_preset
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+DTYPES = ("auto", "float32", "bfloat16")
+SELECTIVE_EAGER = "raycurate_selective_eager"
+_RECORD_FLAG = "_raycurate_record_attention"
+
+
+def _torch_dtype(dtype: str) -> Any:
+    import torch
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {list(DTYPES)}")
+    return "auto" if dtype == "auto" else getattr(torch, dtype)
+
+
+def load_model(
+    path_or_preset: str,
+    *,
+    dtype: str = "auto",
+    attn_implementation: str = "sdpa",
+    device: str = "cpu",
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """Load a causal LM from a local HF checkpoint directory, or build an untrained tiny preset.
+
+    Args:
+        path_or_preset: A local checkpoint directory (``config.json`` + weights), or a key of ``TINY_PRESETS``
+            (then ``tokenizer`` is required and the weights are a fresh seeded init; use
+            :func:`raycurate.models.pretrain.ensure_base_model` for the pre-trained base model).
+        dtype: ``"auto"`` (the checkpoint's dtype), ``"float32"`` or ``"bfloat16"``.
+        attn_implementation: ``"sdpa"``, ``"eager"`` or any implementation transformers accepts.
+        device: Device to move the model to.
+        tokenizer: Only for presets: supplies the vocabulary.
+        seed: Only for presets: initialisation seed.
+
+    Returns:
+        The model in eval mode on ``device``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = _torch_dtype(dtype)
+    if is_preset(path_or_preset) and not os.path.isdir(path_or_preset):
+        if tokenizer is None:
+            raise ValueError(
+                f"{path_or_preset!r} is a tiny preset, which has no weights on disk: call "
+                "raycurate.models.pretrain.ensure_base_model(...) to get a pre-trained checkpoint directory, or "
+                "pass tokenizer= to build an untrained model"
+            )
+        model = build_tiny_model(path_or_preset, tokenizer, seed, attn_implementation=attn_implementation)
+        if torch_dtype != "auto":
+            model = model.to(torch_dtype)
+        return model.to(device)
+    if not os.path.isfile(os.path.join(path_or_preset, "config.json")):
+        raise FileNotFoundError(
+            f"{path_or_preset!r} is not a local HF checkpoint directory (no config.json there); pass a directory "
+            f"written by save_pretrained or one of the tiny presets {sorted(TINY_PRESETS)}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        path_or_preset,
+        dtype=torch_dtype,
+        attn_implementation=attn_implementation,
+        local_files_only=True,
+        trust_remote_code=False,
+    )
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """Load the tokenizer saved in a local checkpoint directory (never downloads).
+
+    Args:
+        path: Directory containing ``tokenizer.json`` / ``tokenizer_config.json``.
+
+    Returns:
+        The tokenizer; its pad token falls back to EOS when the checkpoint defines none.
+    """
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tokenizer directory {path!r} does not exist; pass a local checkpoint directory")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _attention_modules(model: PreTrainedModel) -> list[Any]:
+    """Self-attention modules in layer order (those with a ``layer_idx`` whose class name ends in 'Attention')."""
+    modules = [
+        module
+        for module in model.modules()
+        if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int)
+    ]
+    return sorted(modules, key=lambda module: module.layer_idx)
+
+
+def _repeat_kv(states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, n_kv, T, D) -> (B, n_kv * n_rep, T, D)."""
+    if n_rep == 1:
+        return states
+    batch, n_kv, length, dim = states.shape
+    return states[:, :, None].expand(batch, n_kv, n_rep, length, dim).reshape(batch, n_kv * n_rep, length, dim)
+
+
+def _generic_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention for architectures whose modeling file has no ``eager_attention_forward``.
+
+    Shapes: query (B, H, Tq, D); key/value (B, H_kv, Tk, D); additive mask (B, 1, Tq, Tk).
+    Returns output (B, Tq, H, D) and weights (B, H, Tq, Tk).
+    """
+    import torch
+
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return output, weights
+
+
+def _selective_eager_attention(module, query, key, value, attention_mask, **kwargs):
+    """Eager attention (with weights) on flagged layers, SDPA elsewhere with an empty weight placeholder."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if getattr(module, _RECORD_FLAG, False):
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", _generic_eager_attention)
+        return eager(module, query, key, value, attention_mask, **kwargs)
+    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    batch, n_heads = query.shape[:2]
+    return output, query.new_empty((batch, n_heads, 0, 0))
+
+
+def _register_selective_eager() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
+
+    if SELECTIVE_EAGER not in AttentionInterface._global_mapping:
+        AttentionInterface.register(SELECTIVE_EAGER, _selective_eager_attention)
+    if SELECTIVE_EAGER not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        # Additive float masks work for both the eager and the SDPA path.
+        AttentionMaskInterface.register(SELECTIVE_EAGER, eager_mask)
+
+
+def enable_attention_outputs(model: PreTrainedModel, layers: list[int] | None = None) -> PreTrainedModel:
+    """Make ``model(..., output_attentions=True)`` return real attention weights.
+
+    Args:
+        model: A transformers causal LM (modified in place).
+        layers: Layer indices whose weights are needed; ``None`` means all layers (plain eager attention).
+
+    Returns:
+        The same model.  ``outputs.attentions[l]`` has shape (B, n_heads, T, T) for every requested layer ``l``;
+        with a layer subset, the other entries are empty (B, n_heads, 0, 0) placeholders.  Logits are unchanged
+        (up to float rounding).  ``model.set_attn_implementation("sdpa")`` switches back.
+    """
+    modules = _attention_modules(model)
+    n_layers = len(modules)
+    if layers is None:
+        model.set_attn_implementation("eager")
+        return model
+    bad = [layer for layer in layers if not 0 <= layer < n_layers]
+    if bad:
+        raise ValueError(f"attention layers {bad} are out of range; the model has layers 0..{n_layers - 1}")
+    wanted = set(layers)
+    for module in modules:
+        setattr(module, _RECORD_FLAG, module.layer_idx in wanted)
+    _register_selective_eager()
+    model.set_attn_implementation(SELECTIVE_EAGER)
+    return model
+
+
+def _is_attention_tensor(attentions: tuple[Any, ...], layer: int) -> bool:
+    weights = attentions[layer] if 0 <= layer < len(attentions) else None
+    return weights is not None and weights.dim() == 4 and weights.numel() > 0
+
+
+def check_attentions(outputs: Any, layers: list[int] | None = None) -> tuple[Any, ...]:
+    """Raise if attention weights were requested but did not come back.
+
+    Args:
+        outputs: Model output of a forward pass with ``output_attentions=True``.
+        layers: Layers whose weights must be present; ``None`` means every entry of ``outputs.attentions``.
+
+    Returns:
+        ``outputs.attentions`` (a tuple of (B, n_heads, T, T) tensors, placeholders for unrequested layers).
+    """
+    attentions = getattr(outputs, "attentions", None)
+    fix = "call raycurate.models.loading.enable_attention_outputs(model, layers) before the forward pass"
+    if not attentions:
+        raise RuntimeError(
+            f"the forward pass returned no attention weights (sdpa/flash attention does not materialise them); {fix}"
+        )
+    wanted = range(len(attentions)) if layers is None else layers
+    missing = [layer for layer in wanted if not _is_attention_tensor(attentions, layer)]
+    if missing:
+        raise RuntimeError(f"attention weights of layers {missing} are missing ({len(attentions)} entries); {fix}")
+    return attentions
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_layer_types(model: PreTrainedModel) -> list[str]:
+    """Per-layer attention kind, ``"full_attention"`` or ``"sliding_attention"``.
+
+    Taken from the config's ``layer_types`` when it has one, else every layer is full attention.
+    """
+    config = _text_config(model.config)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return list(layer_types)
+    return ["full_attention"] * config.num_hidden_layers
+
+
+def head_geometry(config: Any) -> dict[str, int]:
+    """Attention geometry of a config (or a model), GQA-aware.
+
+    Returns:
+        ``{"n_heads", "n_kv_heads", "head_dim", "n_layers", "hidden"}``; ``n_heads // n_kv_heads`` query heads share
+        each key/value head.
+    """
+    config = _text_config(getattr(config, "config", config))
+    n_heads = config.num_attention_heads
+    n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    return {
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "n_layers": config.num_hidden_layers,
+        "hidden": config.hidden_size,
+    }

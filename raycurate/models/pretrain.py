@@ -1,0 +1,315 @@
+"""Brief causal-LM pre-training of a tiny preset, cached on disk as a local HF checkpoint.
+
+Decisions:
+
+* Texts are tokenized as BOS + text + EOS, concatenated into one token stream and cut into ``max_len`` blocks
+  (nanoGPT-style packing: no padding, documents separated by EOS/BOS).  Each step draws ``batch_size`` blocks
+  uniformly without replacement from a seeded ``torch.Generator``.
+* AdamW (betas 0.9/0.95, weight decay 0.1 on matrices only), linear warm-up over ~5% of the steps then cosine decay
+  to 10% of ``lr``; gradient clipping at 1.0.  The loss is computed here (the one shift of the contract).
+* ``ensure_base_model`` caches under ``<cache_dir>/base-models/<preset>-<key>`` where ``key`` hashes every argument
+  that changes the weights.  The checkpoint is built in a temp dir inside ``cache_dir`` and published with
+  ``os.replace``; a per-key ``fcntl`` lock makes a racing process wait and then reuse the result instead of
+  training twice.  A directory under the final name is always complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+CACHE_FORMAT_VERSION = 1
+METADATA_FILE = "pretrain_metadata.json"
+
+
+def pack_token_blocks(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_len: int) -> torch.Tensor:
+    """Tokenize ``texts`` as BOS + text + EOS, concatenate, and cut into full blocks.
+
+    Args:
+        tokenizer: Tokenizer with bos/eos ids (BOS is skipped when it has none).
+        texts: Documents.
+        max_len: Block length T.
+
+    Returns:
+        Long tensor of shape (N, T); the tail shorter than T is dropped.
+    """
+    import torch
+
+    prefix = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    stream = [token for ids in encoded for token in (prefix + ids + [tokenizer.eos_token_id])]
+    n_blocks = len(stream) // max_len
+    if n_blocks == 0:
+        raise ValueError(
+            f"the texts give {len(stream)} tokens, fewer than one block of max_len={max_len}; "
+            "pass more texts or a smaller max_len"
+        )
+    return torch.tensor(stream[: n_blocks * max_len], dtype=torch.long).view(n_blocks, max_len)
+
+
+def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy.
+
+    Args:
+        logits: (B, T, V) logits; position t predicts input_ids[:, t + 1].
+        input_ids: (B, T) token ids.
+
+    Returns:
+        Scalar loss over the B * (T - 1) predictions.
+    """
+    import torch.nn.functional as F
+
+    vocab = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), input_ids[:, 1:].reshape(-1))
+
+
+def warmup_cosine(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
+    """Learning-rate multiplier: linear warm-up to 1 over ``warmup`` steps, then cosine decay to ``floor``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _adamw(model: PreTrainedModel, lr: float, weight_decay: float) -> Any:
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _batches(n_blocks: int, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Block indices per step: epochs of seeded permutations, ``batch_size`` indices at a time."""
+    import torch
+
+    order = torch.empty(0, dtype=torch.long)
+    for _ in range(steps):
+        while order.numel() < batch_size:
+            order = torch.cat([order, torch.randperm(n_blocks, generator=generator)])
+        yield order[:batch_size]
+        order = order[batch_size:]
+
+
+@contextlib.contextmanager
+def _torch_threads(num_threads: int | None) -> Iterator[None]:
+    import torch
+
+    previous = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def pretrain_causal_lm(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    texts: list[str],
+    *,
+    steps: int,
+    batch_size: int = 16,
+    lr: float = 3e-3,
+    max_len: int = 128,
+    seed: int = 0,
+    weight_decay: float = 0.1,
+    num_threads: int | None = None,
+    progress: bool = True,
+) -> list[float]:
+    """Train ``model`` in place on packed ``texts`` with AdamW + warm-up/cosine.
+
+    Args:
+        model: Causal LM (trained in place, left in eval mode).
+        tokenizer: Its tokenizer.
+        texts: Training documents.
+        steps: Optimizer steps.
+        batch_size: Blocks per step.
+        lr: Peak learning rate.
+        max_len: Block length in tokens.
+        seed: Seed of the block order.
+        weight_decay: AdamW weight decay on weight matrices and embeddings.
+        num_threads: ``torch.set_num_threads`` during training (restored after); ``None`` keeps the current
+            setting (which honours ``OMP_NUM_THREADS``, as set by Ray for its workers).
+        progress: Show a tqdm progress bar.
+
+    Returns:
+        The training loss of every step (length ``steps``).
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    blocks = pack_token_blocks(tokenizer, texts, max_len)  # (N, T)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = _adamw(model, lr, weight_decay)
+    warmup = max(1, steps // 20)
+    device = next(model.parameters()).device
+    losses: list[float] = []
+    model.train()
+    with _torch_threads(num_threads):
+        bar = tqdm(_batches(len(blocks), batch_size, steps, generator), total=steps, disable=not progress,
+                   desc="pretrain", unit="step")
+        for step, index in enumerate(bar):
+            for group in optimizer.param_groups:
+                group["lr"] = lr * warmup_cosine(step, steps, warmup)
+            input_ids = blocks[index].to(device)  # (B, T)
+            loss = causal_lm_loss(model(input_ids=input_ids, use_cache=False).logits, input_ids)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+def texts_fingerprint(texts: list[str]) -> str:
+    """SHA-256 of the texts (order-sensitive), for use as ``data_key``."""
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(text.encode("utf-8"))
+        digest.update(b"\x00")
+    return digest.hexdigest()
+
+
+def base_model_key(**settings: Any) -> str:
+    """16-hex-digit hash of the settings that determine a cached base model."""
+    payload = json.dumps({"format": CACHE_FORMAT_VERSION, **settings}, sort_keys=True)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``lock_path`` (no-op where ``fcntl`` is unavailable)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX: rely on the atomic rename alone
+        yield
+        return
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+def _build_base_model(
+    out_dir: str, preset: str, texts: list[str], settings: dict[str, Any], num_threads: int | None, progress: bool
+) -> None:
+    """Train tokenizer and model and write the checkpoint (weights, config, tokenizer, metadata) into ``out_dir``."""
+    from raycurate.models.tiny import build_tiny_model
+    from raycurate.models.tokenizer import train_tokenizer
+
+    start = time.perf_counter()
+    tokenizer = train_tokenizer(texts, vocab_size=settings["vocab_size"], chat_template=settings["chat_template"])
+    model = build_tiny_model(preset, tokenizer, seed=settings["seed"])
+    losses = pretrain_causal_lm(
+        model, tokenizer, texts, steps=settings["steps"], batch_size=settings["batch_size"], lr=settings["lr"],
+        max_len=settings["max_len"], seed=settings["seed"], num_threads=num_threads, progress=progress,
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    tail = losses[-max(1, len(losses) // 10):]
+    metadata = {
+        "preset": preset,
+        "settings": settings,
+        "num_texts": len(texts),
+        "vocab_size": len(tokenizer),
+        "initial_loss": losses[0] if losses else None,
+        "final_loss": sum(tail) / len(tail) if losses else None,
+        "losses": losses,
+        "seconds": round(time.perf_counter() - start, 3),
+        "created_unix": time.time(),
+    }
+    with open(os.path.join(out_dir, METADATA_FILE), "w") as handle:
+        json.dump(metadata, handle, indent=1)
+
+
+def ensure_base_model(
+    preset: str,
+    cache_dir: str,
+    texts_fn: Callable[[], list[str]],
+    *,
+    steps: int = 300,
+    seed: int = 0,
+    vocab_size: int = 2048,
+    chat_template: bool = True,
+    data_key: str | None = None,
+    batch_size: int = 16,
+    lr: float = 3e-3,
+    max_len: int = 128,
+    num_threads: int | None = None,
+    progress: bool = True,
+) -> str:
+    """Return a local HF checkpoint dir of ``preset`` pre-trained on ``texts_fn()``, building it on first use.
+
+    Args:
+        preset: A key of ``TINY_PRESETS``.
+        cache_dir: Cache root; the checkpoint goes to ``<cache_dir>/base-models/<preset>-<key>``.
+        texts_fn: Returns the pre-training texts; called only when the checkpoint must be built (or to fingerprint
+            the texts when ``data_key`` is None).
+        steps, seed, vocab_size, chat_template, batch_size, lr, max_len: Tokenizer and training settings (all part
+            of the cache key).
+        data_key: A string that identifies the texts (e.g. corpus name + seed + row count); ``None`` hashes the
+            texts themselves.
+        num_threads: Torch threads while training (not part of the key); ``None`` keeps torch's setting.
+        progress: Show a progress bar while training.
+
+    Returns:
+        Path of the checkpoint directory (``model.safetensors``, ``config.json``, tokenizer files and
+        ``pretrain_metadata.json`` with initial/final loss and seconds).
+    """
+    from raycurate.models.tiny import TINY_PRESETS
+
+    if preset not in TINY_PRESETS:
+        raise ValueError(f"unknown tiny preset {preset!r}; valid presets: {sorted(TINY_PRESETS)}")
+    texts = None
+    if data_key is None:
+        texts = list(texts_fn())
+        data_key = "sha256:" + texts_fingerprint(texts)
+    settings = {
+        "preset": preset, "steps": steps, "seed": seed, "vocab_size": vocab_size, "chat_template": chat_template,
+        "data_key": data_key, "batch_size": batch_size, "lr": lr, "max_len": max_len,
+    }
+    root = os.path.join(os.path.abspath(cache_dir), "base-models")
+    final_dir = os.path.join(root, f"{preset}-{base_model_key(**settings)}")
+    if _is_complete(final_dir):
+        return final_dir
+    os.makedirs(root, exist_ok=True)
+    with _exclusive_lock(final_dir + ".lock"):
+        if _is_complete(final_dir):  # another process built it while we waited
+            return final_dir
+        texts = list(texts_fn()) if texts is None else texts
+        tmp_dir = tempfile.mkdtemp(prefix=f".tmp-{preset}-", dir=root)
+        try:
+            _build_base_model(tmp_dir, preset, texts, settings, num_threads, progress)
+            try:
+                os.replace(tmp_dir, final_dir)
+            except OSError:
+                # Without fcntl a racing process may have published first; its checkpoint is equivalent.
+                if not _is_complete(final_dir):
+                    raise
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    return final_dir
