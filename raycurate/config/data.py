@@ -36,6 +36,9 @@ class DataConfig:
     corpus_rows: int = option(3000, "Rows of the embedded benchmark corpus (used when input is empty).")
     corpus_seed: int = option(0, "Seed of the embedded corpus generator.")
     corrupt_fraction: float = option(0.3, "Fraction of embedded-corpus responses that are corrupted (and labelled).")
+    corpus_bad_lines: int = option(
+        8, "Malformed/invalid lines appended to the embedded corpus so the demo exercises rejection (0 = none)."
+    )
     heldout_rows: int = option(200, "Held-out clean embedded-corpus rows kept for evaluation (never trained on).")
 
     def input_paths(self) -> list[str]:

@@ -1,0 +1,200 @@
+"""The ``raycurate`` command line.  It only parses arguments and hands typed configs to pipelines.
+
+Examples::
+
+    raycurate demo                                   # embedded corpus + tiny model, end to end
+    raycurate run jobs/demo.yaml train.lr=5e-4       # any job with key=value overrides
+    raycurate ingest --input data.jsonl --out runs/mydata
+    raycurate train --data data.jsonl --model /ckpt/llama --out runs/sft
+    raycurate inspect runs/demo
+    raycurate report runs/demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from importlib import resources
+from pathlib import Path
+
+from raycurate.config.loader import ConfigError, apply_overrides, describe, from_dict, read_yaml
+
+log = logging.getLogger("raycurate")
+
+
+def demo_job_path() -> Path:
+    """The packaged demo job (``jobs/demo.yaml`` in the repository is the same file)."""
+    return Path(str(resources.files("raycurate.config").joinpath("demo.yaml")))
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _load_job(path: Path | None, overrides: list[str], extra: dict | None = None):
+    from raycurate.config.schema import JobConfig
+
+    data = read_yaml(path) if path else {}
+    for section, values in (extra or {}).items():
+        if isinstance(values, dict):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
+    data = apply_overrides(data, overrides)
+    return from_dict(JobConfig, data, source=str(path) if path else "command line")
+
+
+def _out_to_run(out: str | None) -> dict:
+    if not out:
+        return {}
+    out_path = Path(out)
+    return {"run": {"runs_dir": str(out_path.parent), "name": out_path.name}}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from raycurate.pipelines import run_pipeline
+
+    cfg = _load_job(demo_job_path(), args.overrides, _out_to_run(args.out))
+    manifest = run_pipeline(cfg)
+    run_dir = Path(cfg.run.runs_dir) / cfg.run.name
+    print(f"run directory: {run_dir}")
+    print(f"rows: {json.dumps({k: manifest['rows'][k] for k in ('input', 'accepted', 'rejected')})}")
+    for name, metrics in manifest.get("results", {}).get("heldout", {}).items():
+        print(f"held-out {name:<6} exact_match={metrics['exact_match']:.3f} gold_loss={metrics['gold_loss']:.3f}")
+    print(f"report: {run_dir / 'report.html'}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from raycurate.pipelines import run_pipeline
+
+    if args.help_config:
+        from raycurate.config.schema import JobConfig
+
+        for key, tp, default, help_text in describe(JobConfig):
+            print(f"{key:<34} {tp:<22} default={default!r}\n    {help_text}")
+        return 0
+    if not args.job:
+        raise SystemExit("raycurate run: give a job file, e.g. `raycurate run jobs/demo.yaml`")
+    cfg = _load_job(Path(args.job), args.overrides)
+    run_pipeline(cfg)
+    print(f"run directory: {Path(cfg.run.runs_dir) / cfg.run.name}")
+    return 0
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from raycurate.config.data import DataConfig
+    from raycurate.rundir import RunDir
+    from raycurate.stages.data_stages import ingest_stage
+
+    data_cfg = from_dict(DataConfig, apply_overrides({"strict": args.strict}, args.overrides), "command line")
+    run = RunDir(args.out)
+    record = ingest_stage(run, args.input, data_cfg, upstream=[], progress=True, force=args.force)
+    rows = record["metrics"]["rows"]
+    run.update_manifest(rows={**rows, "rejected_by_reason": record["metrics"].get("rejected_by_reason", {}),
+                              "rejected_files": [record["outputs"]["rejected"]]})
+    print(json.dumps(record["metrics"], indent=2))
+    print(f"accepted rows: {run.root / record['outputs']['accepted']}\nrejected rows: "
+          f"{run.root / record['outputs']['rejected']}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from raycurate.pipelines import run_pipeline
+
+    extra = {"pipeline": "sft", "data": {"input": args.data}, "model": {"name_or_path": args.model},
+             **_out_to_run(args.out)}
+    cfg = _load_job(Path(args.job) if args.job else None, args.overrides, extra)
+    run_pipeline(cfg)
+    print(f"fine-tuned model: {Path(cfg.run.runs_dir) / cfg.run.name / 'train' / 'model'}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from raycurate.report.html import write_run_report
+
+    print(write_run_report(args.run_dir))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from raycurate.rundir import RunDir
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "manifest.json").exists():
+        raise SystemExit(f"{run_dir} has no manifest.json; is it a raycurate run directory?")
+    manifest = RunDir(run_dir).load_manifest()
+    print(f"run {manifest.get('run')}  pipeline {manifest.get('pipeline', '?')}")
+    rows = manifest.get("rows") or {}
+    if rows:
+        print(f"rows: input={rows.get('input')} accepted={rows.get('accepted')} rejected={rows.get('rejected')}")
+        for reason, n in sorted((rows.get("rejected_by_reason") or {}).items()):
+            print(f"  rejected {reason:<20} {n}")
+    print(f"{'stage':<16}{'status':<10}{'seconds':>9}  config hash")
+    for name, record in manifest.get("stages", {}).items():
+        print(f"{name:<16}{record.get('status', '?'):<10}{record.get('seconds', 0):>9.1f}  "
+              f"{record.get('config_hash', '')}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raycurate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="run every pipeline on the embedded corpus and a tiny model")
+    p.add_argument("--out", help="run directory (default runs/demo)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. data.corpus_rows=1000")
+    p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("run", help="run a job file")
+    p.add_argument("job", nargs="?", help="job YAML, e.g. jobs/demo.yaml")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("ingest", help="validate input files into accepted parquet + rejected.jsonl")
+    p.add_argument("--input", action="append", required=True, help="jsonl / parquet / HF save_to_disk path "
+                   "(repeatable; directories and globs allowed)")
+    p.add_argument("--out", required=True, help="run directory to write into")
+    p.add_argument("--strict", action="store_true", help="fail on the first bad row (naming file, line, field)")
+    p.add_argument("--force", action="store_true", help="re-run even if the outputs are current")
+    p.add_argument("overrides", nargs="*", help="data.* overrides without the prefix, e.g. split_seed=3")
+    p.set_defaults(fn=cmd_ingest)
+
+    p = sub.add_parser("train", help="ingest, tokenize and fine-tune on your data (pipeline sft)")
+    p.add_argument("--data", required=True, help="input records (jsonl / parquet / HF dataset folder)")
+    p.add_argument("--model", default="tiny-llama", help="local HF checkpoint folder or a tiny preset name")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--job", help="optional job YAML supplying defaults")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-5 train.num_workers=4")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("report", help="(re)write RUN_DIR/report.html")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("inspect", help="print stage status, row accounting and timings of a run")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return int(args.fn(args) or 0)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"raycurate: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Batched generation with a Hugging Face causal LM (the CPU / no-vLLM path)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token id lists into a batch.
+
+    Args:
+        sequences: B lists of token ids.
+        pad_id: Padding token id.
+
+    Returns:
+        ``input_ids`` (B, T) and ``attention_mask`` (B, T) with zeros on the left padding.
+    """
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if len(seq):
+            ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[row, width - len(seq):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate_greedy(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    pad_id: int,
+    eos_ids: Sequence[int],
+    batch_size: int = 32,
+) -> list[list[int]]:
+    """Greedy continuation of each prompt, stopping at any of ``eos_ids``.
+
+    Args:
+        model: A causal LM in eval mode.
+        prompts: Token ids of each prompt (already including BOS / chat-template tokens).
+        max_new_tokens: Generation budget per prompt.
+        pad_id: Padding token id.
+        eos_ids: Token ids that end a response (e.g. EOS and the chat end-of-turn token).
+        batch_size: Prompts per ``generate`` call.
+
+    Returns:
+        The generated token ids of each prompt, without the prompt and without the stop token.
+    """
+    device = next(model.parameters()).device
+    outputs: list[list[int]] = []
+    stop = set(int(e) for e in eos_ids)
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        ids, mask = left_pad(chunk, pad_id)
+        generated = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(stop),
+            pad_token_id=pad_id,
+        )
+        for row in generated[:, ids.shape[1]:].tolist():
+            cut = next((i for i, tok in enumerate(row) if tok in stop), len(row))
+            outputs.append(row[:cut])
+    return outputs

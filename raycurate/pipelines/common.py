@@ -1,0 +1,86 @@
+"""Pieces every pipeline starts with: the run directory, the saved config, Ray, and the training data."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from raycurate.config.loader import dump_yaml
+from raycurate.rundir import RunDir, atomic_write_text
+
+log = logging.getLogger("raycurate")
+
+
+def open_run(cfg: Any) -> RunDir:
+    """Create ``<runs_dir>/<name>``, save the resolved config and start Ray."""
+    from raycurate.stages.runtime import init_ray
+
+    run = RunDir(Path(cfg.run.runs_dir) / cfg.run.name)
+    atomic_write_text(run.root / "config.yaml", dump_yaml(cfg))
+    init_ray(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, temp_dir=cfg.ray.temp_dir,
+             object_store_memory=cfg.ray.object_store_memory)
+    run.update_manifest(config_file="config.yaml", pipeline=cfg.pipeline)
+    return run
+
+
+def forced(cfg: Any, stage: str) -> bool:
+    """Whether the user asked to re-run ``stage`` (``run.force=[stage]`` or ``[all]``)."""
+    return "all" in cfg.run.force or stage in cfg.run.force
+
+
+def prepare_data(run: RunDir, cfg: Any) -> dict:
+    """corpus (embedded default only) -> base_model -> ingest -> tokenize; record row accounting.
+
+    Returns:
+        Stage records by name.
+    """
+    from raycurate.data.corpus import generate_pretraining_texts
+    from raycurate.stages.data_stages import corpus_stage, ingest_stage, tokenize_stage
+    from raycurate.stages.model_stages import base_model_stage
+
+    records: dict[str, dict] = {}
+    upstream: list[str] = []
+    if cfg.data.input:
+        inputs = [cfg.data.input] if isinstance(cfg.data.input, str) else list(cfg.data.input)
+    else:
+        records["corpus"] = corpus_stage(
+            run, rows=cfg.data.corpus_rows, seed=cfg.data.corpus_seed, corrupt_fraction=cfg.data.corrupt_fraction,
+            heldout_rows=cfg.data.heldout_rows, bad_lines=cfg.data.corpus_bad_lines, force=forced(cfg, "corpus"),
+        )
+        inputs = [str(run.root / records["corpus"]["outputs"]["corpus"])]
+        upstream = ["corpus"]
+    model = cfg.model
+    records["base_model"] = base_model_stage(
+        run, model,
+        pretrain_texts=lambda: generate_pretraining_texts(model.pretrain_rows, seed=model.pretrain_seed),
+        data_key=f"embedded-pretrain-v1-{model.pretrain_rows}-{model.pretrain_seed}",
+        force=forced(cfg, "base_model"),
+    )
+    records["ingest"] = ingest_stage(run, inputs, cfg.data, upstream=upstream, progress=cfg.run.progress,
+                                     force=forced(cfg, "ingest"))
+    records["tokenize"] = tokenize_stage(run, accepted_stage="ingest", tokenizer_stage="base_model",
+                                         max_length=cfg.data.max_length, pool_cfg=cfg.tokenize,
+                                         force=forced(cfg, "tokenize"))
+    record_row_accounting(run, records["ingest"], records["tokenize"])
+    return records
+
+
+def record_row_accounting(run: RunDir, ingest: dict, tokenize: dict) -> dict:
+    """``rows: {input, accepted, rejected}`` over ingest and tokenization, with ``input == accepted + rejected``."""
+    ingest_rows = ingest["metrics"]["rows"]
+    tok = tokenize["metrics"]
+    by_reason = dict(ingest["metrics"].get("rejected_by_reason", {}))
+    for reason, n in tok.get("rejected_by_reason", {}).items():
+        by_reason[reason] = by_reason.get(reason, 0) + n
+    rows = {
+        "input": ingest_rows["input"],
+        "accepted": tok["accepted"],
+        "rejected": ingest_rows["rejected"] + tok["rejected"],
+        "rejected_by_reason": by_reason,
+        "rejected_files": [ingest["outputs"]["rejected"], tokenize["outputs"]["rejected"]],
+    }
+    if rows["input"] != rows["accepted"] + rows["rejected"]:
+        raise RuntimeError(f"row accounting does not add up: {rows}; this is a bug, please report it")
+    run.update_manifest(rows=rows)
+    return rows

@@ -1,0 +1,29 @@
+"""Plain SFT on user data: ingest -> tokenize -> fine-tune (Ray Train) -> held-out eval when a held-out set exists."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raycurate.pipelines.common import forced, open_run, prepare_data
+
+
+def run_sft_pipeline(cfg: Any) -> dict:
+    """Run the ``sft`` pipeline; returns the final manifest."""
+    from raycurate.stages.model_stages import evaluate_stage, train_stage
+
+    run = open_run(cfg)
+    records = prepare_data(run, cfg)
+    train_stage(run, "train", tokens_stage="tokenize", init_stage="base_model", train_cfg=cfg.train,
+                force=forced(cfg, "train"))
+    if "corpus" in records:
+        evaluate_stage(run, "eval", model_stage="train", heldout_stage="corpus", eval_cfg=cfg.eval,
+                       max_length=cfg.data.max_length, force=forced(cfg, "eval"))
+    write_report(run)
+    return run.load_manifest()
+
+
+def write_report(run: Any) -> str:
+    """Render ``report.html`` for the run and return its path."""
+    from raycurate.report.html import write_run_report
+
+    return str(write_run_report(run.root))

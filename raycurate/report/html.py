@@ -1,0 +1,143 @@
+"""A self-contained HTML report of a run (inline CSS and SVG; no scripts, no network).
+
+Sections: run summary, row accounting, stage timings, held-out results, corpus composition.  Later pipelines
+add their own sections through :data:`SECTIONS`.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from raycurate.rundir import atomic_write_text
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2rem auto;max-width:1000px;color:#1d2430}
+h1{font-size:1.6rem}h2{font-size:1.2rem;border-bottom:1px solid #dde;padding-bottom:.2rem;margin-top:2rem}
+table{border-collapse:collapse;margin:.5rem 0}td,th{border:1px solid #dde;padding:.25rem .6rem;text-align:right}
+th{background:#f3f5f9}td:first-child,th:first-child{text-align:left}.muted{color:#667}
+.bad{color:#a12}.ok{color:#185}svg text{font-size:12px;font-family:inherit}
+"""
+
+
+def _esc(value: object) -> str:
+    return html.escape(str(value))
+
+
+def _table(header: list[str], rows: list[list[object]]) -> str:
+    head = "".join(f"<th>{_esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def bar_chart(items: list[tuple[str, float]], *, unit: str = "", width: int = 640, color: str = "#4a78c2") -> str:
+    """Horizontal bar chart as inline SVG.
+
+    Args:
+        items: (label, value) pairs, drawn top to bottom.
+        unit: Suffix printed after each value.
+        width: Total width in pixels.
+        color: Bar colour.
+    """
+    if not items:
+        return "<p class='muted'>nothing to plot</p>"
+    label_w, row_h = 160, 22
+    top = max(v for _, v in items) or 1.0
+    bars = []
+    for i, (label, value) in enumerate(items):
+        y = i * row_h
+        w = max(1.0, (width - label_w - 90) * value / top)
+        bars.append(
+            f"<text x='0' y='{y + 15}'>{_esc(label)}</text>"
+            f"<rect x='{label_w}' y='{y + 3}' width='{w:.1f}' height='{row_h - 6}' fill='{color}'/>"
+            f"<text x='{label_w + w + 6:.1f}' y='{y + 15}'>{value:.3g}{_esc(unit)}</text>"
+        )
+    return f"<svg width='{width}' height='{len(items) * row_h}' role='img'>{''.join(bars)}</svg>"
+
+
+def section_summary(run_dir: Path, manifest: dict) -> str:
+    stages = manifest.get("stages", {})
+    done = sum(1 for s in stages.values() if s.get("status") == "done")
+    total = sum(s.get("seconds", 0) for s in stages.values())
+    return (
+        f"<h2 id='summary'>Run summary</h2><p>Run <b>{_esc(manifest.get('run', run_dir.name))}</b>, pipeline "
+        f"<b>{_esc(manifest.get('pipeline', '?'))}</b>: {done}/{len(stages)} stages done, "
+        f"{total:.1f} s of stage time. Config: <code>{_esc(run_dir / 'config.yaml')}</code>.</p>"
+    )
+
+
+def section_rows(run_dir: Path, manifest: dict) -> str:
+    rows = manifest.get("rows") or {}
+    if not rows:
+        return ""
+    reasons = sorted((rows.get("rejected_by_reason") or {}).items(), key=lambda kv: -kv[1])
+    out = "<h2 id='rows'>Row accounting</h2>"
+    out += _table(["input", "accepted", "rejected"], [[rows.get("input"), rows.get("accepted"), rows.get("rejected")]])
+    if reasons:
+        out += "<p>Rejected rows by reason (details in " + ", ".join(
+            f"<code>{_esc(f)}</code>" for f in rows.get("rejected_files", [])) + "):</p>"
+        out += _table(["reason", "rows"], [[r, n] for r, n in reasons])
+    return out
+
+
+def section_timings(run_dir: Path, manifest: dict) -> str:
+    stages = manifest.get("stages", {})
+    if not stages:
+        return ""
+    items = [(name, float(s.get("seconds", 0.0))) for name, s in stages.items()]
+    rows = [[name, s.get("status"), f"{s.get('seconds', 0):.1f}", s.get("config_hash", "")] for name, s in stages.items()]
+    return ("<h2 id='timings'>Stage timings</h2>" + bar_chart(items, unit=" s")
+            + _table(["stage", "status", "seconds", "config hash"], rows))
+
+
+def section_results(run_dir: Path, manifest: dict) -> str:
+    heldout = (manifest.get("results") or {}).get("heldout") or {}
+    if not heldout:
+        return ""
+    rows = [[name, m.get("rows"), f"{m.get('exact_match', 0):.3f}", f"{m.get('gold_loss', 0):.3f}"]
+            for name, m in heldout.items()]
+    return ("<h2 id='results'>Held-out evaluation</h2><p>Exact match of the final <code>####</code> answer "
+            "(greedy decoding) and mean per-token loss of the gold response, per model.</p>"
+            + _table(["model", "questions", "exact match", "gold loss"], rows)
+            + bar_chart([(n, float(m.get("gold_loss", 0))) for n, m in heldout.items()], color="#c2784a"))
+
+
+def section_corpus(run_dir: Path, manifest: dict) -> str:
+    corpus = manifest.get("stages", {}).get("corpus", {}).get("metrics", {}).get("summary")
+    if not corpus:
+        return ""
+    parts = ["<h2 id='corpus'>Embedded corpus</h2>"]
+    for key in ("domains", "corruptions"):
+        counts = corpus.get(key)
+        if isinstance(counts, dict):
+            parts.append(f"<p>{_esc(key)}</p>" + bar_chart([(k, float(v)) for k, v in counts.items()]))
+    return "".join(parts)
+
+
+SECTIONS: list[Callable[[Path, dict], str]] = [
+    section_summary, section_rows, section_timings, section_results, section_corpus,
+]
+
+
+def render_report(run_dir: str | Path) -> str:
+    """HTML text of the report for ``run_dir``."""
+    run_dir = Path(run_dir)
+    manifest_path = run_dir / "manifest.json"
+    if not manifest_path.exists():
+        raise FileNotFoundError(f"{manifest_path} not found; is {run_dir} a raycurate run directory?")
+    manifest = json.loads(manifest_path.read_text())
+    body = "".join(section(run_dir, manifest) for section in SECTIONS)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>raycurate: {_esc(run_dir.name)}"
+            f"</title><style>{CSS}</style></head><body><h1>raycurate run report</h1>"
+            f"<p class='muted'>{_esc(run_dir.resolve())} &middot; generated {stamp}</p>{body}</body></html>")
+
+
+def write_run_report(run_dir: str | Path) -> Path:
+    """Write ``report.html`` into the run directory and return its path."""
+    path = Path(run_dir) / "report.html"
+    atomic_write_text(path, render_report(run_dir))
+    return path

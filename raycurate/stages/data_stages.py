@@ -1,0 +1,215 @@
+"""Stages that produce the data a pipeline trains on: embedded corpus, ingest, tokenization, subsets."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+from raycurate.rundir import RunDir
+from raycurate.stages.base import StageOutput, output_path, run_stage
+from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+
+log = logging.getLogger("raycurate")
+
+TOKEN_COLUMNS = ("input_ids", "prompt_len", "loss_mask", "weight", "prompt_offsets", "response_offsets")
+
+
+def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, heldout_rows: int,
+                 bad_lines: int = 0, force: bool = False) -> dict:
+    """Generate the embedded benchmark corpus (+ ``bad_lines`` invalid lines) and its held-out set as jsonl."""
+    from raycurate.data.corpus import (bad_input_lines, corpus_summary, generate_corpus, generate_heldout,
+                                       write_jsonl)
+
+    def body(out: Path) -> StageOutput:
+        corpus = generate_corpus(rows, seed=seed, corrupt_fraction=corrupt_fraction)
+        heldout = generate_heldout(heldout_rows, seed=seed)
+        write_jsonl(corpus, out / "corpus.jsonl")
+        with open(out / "corpus.jsonl", "ab") as fh:  # the stage folder itself is published atomically
+            fh.writelines(bad_input_lines(corpus, bad_lines, seed=seed))
+        write_jsonl(heldout, out / "heldout.jsonl")
+        return StageOutput(
+            outputs={"corpus": "corpus.jsonl", "heldout": "heldout.jsonl"},
+            metrics={"corpus_rows": len(corpus), "bad_lines": bad_lines, "heldout_rows": len(heldout),
+                     "summary": corpus_summary(corpus)},
+        )
+
+    config = {"rows": rows, "seed": seed, "corrupt_fraction": corrupt_fraction, "heldout_rows": heldout_rows,
+              "bad_lines": bad_lines}
+    return run_stage(run, "corpus", body, config=config, force=force)
+
+
+def ingest_stage(run: RunDir, inputs: list[str], data_cfg: Any, *, upstream: list[str], progress: bool,
+                 force: bool = False) -> dict:
+    """Validate input files into accepted parquet shards plus ``rejected.jsonl``; record row accounting."""
+    from raycurate.data.ingest import ingest
+
+    def body(out: Path) -> StageOutput:
+        result = ingest(
+            inputs, str(out / "accepted"), strict=data_cfg.strict, split_seed=data_cfg.split_seed,
+            split_ratios=data_cfg.split_ratios, shard_rows=data_cfg.shard_rows, progress=progress,
+            validation_paths=[data_cfg.validation_input] if data_cfg.validation_input else None,
+        )
+        info = result.to_dict()
+        (out / "accepted").mkdir(exist_ok=True)
+        rejected = out / "accepted" / "rejected.jsonl"
+        if rejected.exists():
+            rejected.rename(out / "rejected.jsonl")
+        else:
+            (out / "rejected.jsonl").write_text("")
+        return StageOutput(outputs={"accepted": "accepted", "rejected": "rejected.jsonl"}, metrics=info)
+
+    validation = [data_cfg.validation_input] if data_cfg.validation_input else []
+    config = {"inputs": [_file_fingerprint(p) for p in inputs],
+              "validation_inputs": [_file_fingerprint(p) for p in validation], "strict": data_cfg.strict,
+              "split_seed": data_cfg.split_seed, "split_ratios": data_cfg.split_ratios}
+    return run_stage(run, "ingest", body, config=config, upstream=upstream, force=force)
+
+
+def _file_fingerprint(path: str) -> dict:
+    """Path, size and mtime: enough to notice an edited input without hashing its contents."""
+    p = Path(path)
+    if p.is_file():
+        stat = p.stat()
+        return {"path": str(p.resolve()), "size": stat.st_size, "mtime": int(stat.st_mtime)}
+    return {"path": str(p.resolve()) if p.exists() else str(p)}
+
+
+class TokenizeUDF:
+    """Ray Data actor: tokenizes a batch of accepted rows into the token-level table.
+
+    Rejected rows (over-length) stay in the output with ``reject_reason`` set and empty token columns, so the
+    stage can account for them; the stage splits them off afterwards.
+    """
+
+    def __init__(self, tokenizer_dir: str, max_length: int):
+        from raycurate.models.loading import load_tokenizer
+
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.max_length = max_length
+
+    def __call__(self, batch: Any) -> Any:
+        return tokenize_arrow_batch(self.tokenizer, batch, self.max_length)
+
+
+def tokenize_arrow_batch(tokenizer: Any, batch: Any, max_length: int) -> Any:
+    """Append token columns (and ``reject_reason``/``reject_detail``) to a pyarrow batch of records.
+
+    Args:
+        tokenizer: A Hugging Face tokenizer.
+        batch: ``pyarrow.Table`` of validated records.
+        max_length: Longest allowed sequence in tokens.
+
+    Returns:
+        The same table with the token-level columns of the data contract appended; schema fixed so every batch
+        writes the same parquet schema.
+    """
+    import pyarrow as pa
+
+    from raycurate.data.tokenize import tokenize_batch
+
+    rows = batch.to_pylist()
+    token_rows, rejected = tokenize_batch(tokenizer, rows, max_length)
+    by_id = {r["id"]: r for r in token_rows}
+    reasons = {r["id"]: r for r in rejected}
+    columns: dict[str, list] = {name: [] for name in TOKEN_COLUMNS}
+    reject_reason, reject_detail = [], []
+    for row in rows:
+        tok = by_id.get(row["id"])
+        bad = reasons.get(row["id"])
+        if tok is None and bad is None:
+            raise RuntimeError(f"tokenizer returned nothing for id {row['id']!r}")
+        for name in TOKEN_COLUMNS:
+            default = 1.0 if name == "weight" else (0 if name == "prompt_len" else [])
+            columns[name].append(tok[name] if tok is not None else default)
+        reject_reason.append("" if bad is None else str(bad.get("reason", "")))
+        reject_detail.append("" if bad is None else str(bad.get("detail", "")))
+    types = {
+        "input_ids": pa.list_(pa.int32()), "prompt_len": pa.int32(), "loss_mask": pa.list_(pa.int8()),
+        "weight": pa.float32(), "prompt_offsets": pa.list_(pa.int32()), "response_offsets": pa.list_(pa.int32()),
+    }
+    out = batch.drop_columns([c for c in (*TOKEN_COLUMNS, "reject_reason", "reject_detail") if c in batch.schema.names])
+    for name in TOKEN_COLUMNS:
+        out = out.append_column(name, pa.array(columns[name], type=types[name]))
+    out = out.append_column("reject_reason", pa.array(reject_reason, type=pa.string()))
+    return out.append_column("reject_detail", pa.array(reject_detail, type=pa.string()))
+
+
+def split_tokenized(all_dir: Path, tokens_dir: Path, rejected_path: Path) -> dict:
+    """Split tokenizer output into the token table (accepted rows) and ``rejected.jsonl``, file by file.
+
+    Returns:
+        ``{"accepted": n, "rejected": n, "rejected_by_reason": {...}}``.
+    """
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    tokens_dir.mkdir(parents=True, exist_ok=True)
+    counts = {"accepted": 0, "rejected": 0, "rejected_by_reason": {}}
+    with open(rejected_path, "w", encoding="utf-8") as rejected_file:
+        for index, path in enumerate(sorted(all_dir.glob("*.parquet"))):
+            table = pq.read_table(path)
+            ok = pc.equal(table["reject_reason"], "")
+            good = table.filter(ok).drop_columns(["reject_reason", "reject_detail"])
+            bad = table.filter(pc.invert(ok))
+            if good.num_rows:
+                pq.write_table(good, tokens_dir / f"part-{index:05d}.parquet")
+            counts["accepted"] += good.num_rows
+            for row in bad.select([c for c in ("id", "source", "line", "reject_reason", "reject_detail")
+                                   if c in bad.schema.names]).to_pylist():
+                reason = row.pop("reject_reason")
+                row["reason"], row["detail"] = reason, row.pop("reject_detail")
+                counts["rejected_by_reason"][reason] = counts["rejected_by_reason"].get(reason, 0) + 1
+                counts["rejected"] += 1
+                rejected_file.write(json.dumps(row) + "\n")
+    return counts
+
+
+def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, max_length: int,
+                   pool_cfg: ActorPoolConfig, force: bool = False) -> dict:
+    """Tokenize accepted rows on a Ray Data actor pool into ``tokenize/tokens`` (+ ``rejected.jsonl``)."""
+    import ray.data
+
+    accepted = output_path(run, accepted_stage, "accepted")
+    tokenizer_dir = output_path(run, tokenizer_stage, "model")
+
+    def body(out: Path) -> StageOutput:
+        ray.data.DataContext.get_current().execution_options.preserve_order = True
+        ds = ray.data.read_parquet(str(accepted))
+        pool = resolve_pool(pool_cfg)
+        ds = map_with_actor_pool(ds, TokenizeUDF, {"tokenizer_dir": str(tokenizer_dir), "max_length": max_length},
+                                 pool)
+        ds.write_parquet(str(out / "_all"))
+        counts = split_tokenized(out / "_all", out / "tokens", out / "rejected.jsonl")
+        for path in (out / "_all").iterdir():
+            path.unlink()
+        (out / "_all").rmdir()
+        return StageOutput(outputs={"tokens": "tokens", "rejected": "rejected.jsonl"}, metrics=counts)
+
+    config = {"max_length": max_length}
+    return run_stage(run, "tokenize", body, config=config, upstream=[accepted_stage, tokenizer_stage], force=force)
+
+
+def filter_tokens_stage(run: RunDir, stage: str, *, tokens_stage: str, description: str,
+                        keep: Callable[[Any], Any], config: Any, force: bool = False) -> dict:
+    """Write the subset of a token table selected by ``keep`` (a pyarrow-table -> boolean-mask function)."""
+    import pyarrow.parquet as pq
+
+    source = output_path(run, tokens_stage, "tokens")
+
+    def body(out: Path) -> StageOutput:
+        (out / "tokens").mkdir()
+        kept = total = 0
+        for index, path in enumerate(sorted(source.glob("*.parquet"))):
+            table = pq.read_table(path)
+            subset = table.filter(keep(table))
+            total += table.num_rows
+            kept += subset.num_rows
+            pq.write_table(subset, out / "tokens" / f"part-{index:05d}.parquet")
+        if kept == 0:
+            raise ValueError(f"subset '{stage}' ({description}) selected no rows out of {total}")
+        return StageOutput(outputs={"tokens": "tokens"}, metrics={"rows_in": total, "rows_kept": kept,
+                                                                   "description": description})
+
+    return run_stage(run, stage, body, config=config, upstream=[tokens_stage], force=force)

@@ -1,0 +1,199 @@
+"""Stages around models: the base model, fine-tuning on Ray Train, held-out evaluation on an actor pool."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from raycurate.rundir import RunDir
+from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir, stage_hash
+from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+
+log = logging.getLogger("raycurate")
+
+
+def base_model_stage(run: RunDir, model_cfg: Any, *, pretrain_texts: Any, data_key: str,
+                     force: bool = False) -> dict:
+    """Resolve the base model: a local HF checkpoint as is, or a tiny preset pre-trained once and cached.
+
+    The stage folder holds a ``model`` symlink to the checkpoint (so a deleted cache makes the stage stale)
+    and ``base_model.json`` describing it.
+    """
+    from raycurate.models.pretrain import ensure_base_model
+    from raycurate.models.tiny import TINY_PRESETS
+
+    def body(out: Path) -> StageOutput:
+        name = model_cfg.name_or_path
+        if name in TINY_PRESETS:
+            model_dir = ensure_base_model(
+                name, model_cfg.cache_dir, pretrain_texts, steps=model_cfg.pretrain_steps,
+                seed=model_cfg.pretrain_seed, vocab_size=model_cfg.vocab_size,
+                chat_template=model_cfg.chat_template, data_key=data_key,
+            )
+        elif Path(name).is_dir():
+            model_dir = name
+        else:
+            raise FileNotFoundError(
+                f"model.name_or_path={name!r} is neither a tiny preset ({', '.join(TINY_PRESETS)}) nor a local "
+                "checkpoint folder; download the checkpoint first and pass its path"
+            )
+        os.symlink(Path(model_dir).resolve(), out / "model", target_is_directory=True)
+        info = {"model_dir": str(Path(model_dir).resolve()), "source": name}
+        meta = Path(model_dir) / "pretrain_metadata.json"
+        if meta.exists():
+            info["pretrain"] = json.loads(meta.read_text())
+        (out / "base_model.json").write_text(json.dumps(info, indent=2))
+        return StageOutput(outputs={"model": "model", "info": "base_model.json"}, metrics=info)
+
+    config = {"model": model_cfg, "data_key": data_key}
+    return run_stage(run, "base_model", body, config=config, force=force)
+
+
+def train_stage(run: RunDir, stage: str, *, tokens_stage: str, init_stage: str, train_cfg: Any,
+                force: bool = False) -> dict:
+    """Fine-tune ``init_stage``'s model on ``tokens_stage``'s token table with Ray Train (DeepSpeed or DDP).
+
+    Ray Train checkpoints go to ``_scratch/<stage>/<config hash>``, outside the atomic stage folder, so a run
+    killed mid-training resumes from its latest checkpoint when re-run with the same config.
+    """
+    from raycurate.stages.train import run_sft
+
+    tokens = output_path(run, tokens_stage, "tokens")
+    init_model = output_path(run, init_stage, "model")
+    upstream = [tokens_stage, init_stage]
+    digest = stage_hash(run, train_cfg, upstream)
+
+    def body(out: Path) -> StageOutput:
+        metrics = run_sft(str(tokens), str(init_model), str(out / "model"), train_cfg,
+                          storage_dir=str(scratch_dir(run, stage)), name=f"{stage}-{digest}")
+        summary = {k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}
+        return StageOutput(outputs={"model": "model"}, metrics=summary)
+
+    return run_stage(run, stage, body, config=train_cfg, upstream=upstream, force=force)
+
+
+class EvaluateUDF:
+    """Ray Data actor: greedy answers and gold-response loss for held-out questions."""
+
+    def __init__(self, model_dir: str, max_length: int, max_new_tokens: int, batch_size: int, threads: int):
+        import torch
+
+        from raycurate.models.loading import load_model, load_tokenizer
+
+        torch.set_num_threads(max(1, threads))
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = load_model(model_dir).eval()
+        self.max_length = max_length
+        self.max_new_tokens = max_new_tokens
+        self.batch_size = batch_size
+
+    def __call__(self, batch: Any) -> Any:
+        import pyarrow as pa
+
+        rows = evaluate_rows(self.model, self.tokenizer, batch.to_pylist(), max_length=self.max_length,
+                             max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
+        return pa.Table.from_pylist(rows)
+
+
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    """Token ids that end an assistant response: EOS and, with a chat template, its end-of-turn token."""
+    ids = {tokenizer.eos_token_id}
+    for token in ("<|end|>",):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)
+
+
+def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: int, max_new_tokens: int,
+                  batch_size: int) -> list[dict]:
+    """Score held-out rows: greedy generation -> final answer exact match, plus gold-response loss.
+
+    Args:
+        model: Causal LM in eval mode.
+        tokenizer: Its tokenizer.
+        rows: Held-out records with ``label.answer`` (the gold final answer).
+        max_length: Token limit for the gold sequence.
+        max_new_tokens: Generation budget.
+        batch_size: Rows per forward / generate call.
+
+    Returns:
+        One dict per row: id, generated text, predicted and gold answers, ``correct``, ``gold_loss``.
+    """
+    import torch
+
+    from raycurate.algorithms.losses import example_losses
+    from raycurate.data.answers import answers_match, extract_final_answer
+    from raycurate.data.tokenize import is_rejection, tokenize_record
+    from raycurate.models.generation import generate_greedy
+
+    token_rows = [tokenize_record(tokenizer, row, max_length) for row in rows]
+    too_long = [t["id"] for t in token_rows if is_rejection(t)]
+    if too_long:
+        raise ValueError(f"held-out rows {too_long[:5]} exceed data.max_length={max_length} tokens; raise "
+                         "data.max_length so every held-out question is evaluated")
+    prompts = [t["input_ids"][: t["prompt_len"]] for t in token_rows]
+    generated = generate_greedy(model, prompts, max_new_tokens=max_new_tokens, pad_id=tokenizer.pad_token_id,
+                                eos_ids=stop_token_ids(tokenizer), batch_size=batch_size)
+    gold_losses: list[float] = []
+    with torch.no_grad():
+        for start in range(0, len(token_rows), batch_size):
+            chunk = token_rows[start:start + batch_size]
+            width = max(len(t["input_ids"]) for t in chunk)
+            ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            loss_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for i, t in enumerate(chunk):
+                n = len(t["input_ids"])
+                ids[i, :n] = torch.as_tensor(t["input_ids"])
+                mask[i, :n] = 1
+                loss_mask[i, :n] = torch.as_tensor(t["loss_mask"])
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            gold_losses.extend(example_losses(logits, ids, loss_mask).tolist())
+    results = []
+    for row, gen, loss in zip(rows, generated, gold_losses):
+        text = tokenizer.decode(gen, skip_special_tokens=True)
+        pred = extract_final_answer(text)
+        gold = row["label"]["answer"]
+        results.append({
+            "id": row["id"], "generated": text, "predicted_answer": pred or "", "gold_answer": gold,
+            "correct": bool(pred is not None and answers_match(pred, gold)), "gold_loss": float(loss),
+        })
+    return results
+
+
+def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: str, eval_cfg: Any,
+                   max_length: int, force: bool = False) -> dict:
+    """Evaluate a checkpoint on the held-out set on a Ray Data actor pool; writes ``predictions.parquet``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray.data
+
+    model_dir = output_path(run, model_stage, "model")
+    heldout = output_path(run, heldout_stage, "heldout")
+
+    def body(out: Path) -> StageOutput:
+        rows = [json.loads(line) for line in heldout.read_text().splitlines() if line.strip()]
+        pool = resolve_pool(eval_cfg.pool)
+        ds = ray.data.from_items(rows)
+        ds = map_with_actor_pool(
+            ds, EvaluateUDF,
+            {"model_dir": str(model_dir), "max_length": max_length, "max_new_tokens": eval_cfg.max_new_tokens,
+             "batch_size": eval_cfg.batch_size, "threads": max(1, int(round(pool.num_cpus)))},
+            pool,
+        )
+        result = pa.Table.from_pylist(ds.take_all()).sort_by("id")
+        pq.write_table(result, out / "predictions.parquet")
+        n = result.num_rows
+        correct = sum(result["correct"].to_pylist())
+        metrics = {"rows": n, "exact_match": correct / n if n else 0.0,
+                   "gold_loss": sum(result["gold_loss"].to_pylist()) / n if n else 0.0}
+        log.info("%s: exact match %.3f (%d/%d), gold loss %.3f", stage, metrics["exact_match"], correct, n,
+                 metrics["gold_loss"])
+        return StageOutput(outputs={"predictions": "predictions.parquet"}, metrics=metrics)
+
+    config = {"eval": eval_cfg, "max_length": max_length}
+    return run_stage(run, stage, body, config=config, upstream=[model_stage, heldout_stage], force=force)
