@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create .venv and install raycurate into it, on a fresh machine.
+#   bash scripts/bootstrap.sh          # runtime only (enough for `raycurate demo`)
+#   bash scripts/bootstrap.sh dev      # + test tools
+#   bash scripts/bootstrap.sh gpu,eval # + vLLM and lm-eval (GPU machines)
+# Torch: without an NVIDIA GPU the CPU build torch==2.13.0 is installed first (a plain `pip install torch`
+# would pull a multi-GB CUDA build); with a GPU the default CUDA build. Set RAYCURATE_TORCH_INDEX to a CPU
+# wheel index URL if your machine has no local torch 2.13.0 wheel and you want the CPU build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+python_bin="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$python_bin" -m venv .venv
+fi
+py=.venv/bin/python
+"$py" -m pip install --quiet --upgrade pip
+if ! "$py" -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "$py" -m pip install --quiet torch
+  elif [ -n "${RAYCURATE_TORCH_INDEX:-}" ]; then
+    "$py" -m pip install --quiet torch==2.13.0 --index-url "$RAYCURATE_TORCH_INDEX"
+  else
+    "$py" -m pip install --quiet torch==2.13.0
+  fi
+fi
+if [ -n "$extras" ]; then
+  "$py" -m pip install --quiet -e ".[${extras}]"
+else
+  "$py" -m pip install --quiet -e .
+fi
+"$py" -c "import torch, ray, raycurate; print(f'raycurate {raycurate.__version__}: torch {torch.__version__}, ray {ray.__version__}, cuda={torch.cuda.is_available()}')"

@@ -1,0 +1,60 @@
+"""`raycurate demo` end to end on a small corpus: row accounting, resume, downstream-only re-runs, report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raycurate.cli.main import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+
+def _finished(run_dir) -> dict[str, float]:
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    return {name: rec["finished"] for name, rec in manifest["stages"].items()}
+
+
+def test_demo_end_to_end_resume_and_rerun_downstream_only(tmp_path, ray_local, capsys):
+    run_dir = tmp_path / "demo"
+    args = [
+        "demo", "--out", str(run_dir), "data.corpus_rows=160", "data.heldout_rows=10", "model.pretrain_steps=10",
+        "model.pretrain_rows=300", f"model.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
+        "eval.max_new_tokens=8", "run.progress=false",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "report:" in out and "held-out clean" in out
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    rows = manifest["rows"]
+    assert rows["input"] == 168 and rows["accepted"] == 160 and rows["rejected"] == 8
+    assert rows["input"] == rows["accepted"] + rows["rejected"]
+    assert rows["rejected_by_reason"] == {
+        "malformed_json": 1, "missing_field": 1, "empty_field": 1, "wrong_type": 1, "duplicate_id": 1,
+        "unknown_domain": 1, "non_utf8": 1, "over_length": 1,
+    }
+    rejected = [json.loads(line) for f in rows["rejected_files"] for line in (run_dir / f).read_text().splitlines()]
+    assert len(rejected) == 8 and all(r["reason"] and r["line"] for r in rejected)
+    expected = {"corpus", "base_model", "ingest", "tokenize", "subset_clean", "train_mixed", "train_clean",
+                "eval_base", "eval_mixed", "eval_clean"}
+    assert set(manifest["stages"]) == expected
+    assert all(rec["status"] == "done" and rec["seconds"] >= 0 for rec in manifest["stages"].values())
+    assert manifest["stages"]["train_mixed"]["metrics"]["steps"] == 2
+    assert (run_dir / "train_mixed/model/config.json").exists()
+    assert (run_dir / "config.yaml").exists()
+    heldout = manifest["results"]["heldout"]
+    assert set(heldout) == {"base", "mixed", "clean"} and all(m["rows"] == 10 for m in heldout.values())
+    report = (run_dir / "report.html").read_text()
+    for section in ("Row accounting", "Stage timings", "Held-out evaluation", "Embedded corpus"):
+        assert section in report
+
+    before = _finished(run_dir)
+    assert main(args) == 0
+    assert _finished(run_dir) == before, "an unchanged re-run must skip every stage"
+
+    assert main([*args, "eval.max_new_tokens=9"]) == 0
+    after = _finished(run_dir)
+    rerun = {name for name in before if after[name] != before[name]}
+    assert rerun == {"eval_base", "eval_mixed", "eval_clean"}
