@@ -307,3 +307,19 @@ def test_resync_schedule_puts_an_extended_run_on_its_new_schedule():
     new_opt.step()
     new_sched.step()
     assert new_opt.param_groups[0]["lr"] == pytest.approx(0.5 * cosine_with_warmup(3, 0, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.ray
+def test_deepspeed_bf16_on_gpu_trains_and_exports(ray_local, tiny_model, token_table, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "model")
+    cfg = TrainConfig(engine="deepspeed", zero_stage=2, num_workers=1, micro_batch_size=2, effective_batch_size=4,
+                      max_steps=2, lr=1e-2, use_gpu=True)
+    metrics = _launch("deepspeed bf16 gpu", token_table, tiny_model, out, cfg, storage_dir=str(tmp_path / "rs"),
+                      name="gpu")
+    assert metrics["steps"] == 2 and all(np.isfinite(metrics["loss_per_step"]))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    init = _weights(tiny_model)
+    assert any(not torch.equal(v.float(), init[k].float()) for k, v in model.state_dict().items())

@@ -1,0 +1,64 @@
+"""CLI: --help everywhere, ingest with row accounting and rejects, inspect, config errors as exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raycurate.cli.main import build_parser, main
+
+SUBCOMMANDS = ("demo", "run", "ingest", "train", "report", "inspect")
+
+
+@pytest.mark.parametrize("command", ("", *SUBCOMMANDS))
+def test_help_on_every_subcommand(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([command, "--help"] if command else ["--help"])
+    assert exit_info.value.code == 0
+    assert "usage: raycurate" in capsys.readouterr().out
+
+
+def _write_input(path) -> None:
+    rows = [
+        {"id": "a", "prompt": "What is 2 + 3?", "response": "2 + 3 = 5\n#### 5", "domain": "math"},
+        {"id": "b", "prompt": "Say hi.", "response": "Hi!", "domain": "instruction"},
+        {"id": "a", "prompt": "dup", "response": "dup"},
+        {"id": "c", "prompt": "", "response": "empty prompt"},
+    ]
+    lines = [json.dumps(r) for r in rows] + ['{"id": "d", "prompt": "broken"']
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_ingest_command_accounts_for_every_row(tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    _write_input(data)
+    run_dir = tmp_path / "run"
+    assert main(["ingest", "--input", str(data), "--out", str(run_dir)]) == 0
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["rows"]["input"] == 5 and manifest["rows"]["accepted"] == 2
+    assert manifest["rows"]["rejected"] == 3
+    reasons = sorted(json.loads(line)["reason"] for line in (run_dir / "ingest/rejected.jsonl").read_text().splitlines())
+    assert reasons == ["duplicate_id", "empty_field", "malformed_json"]
+    capsys.readouterr()
+    assert main(["inspect", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "rows: input=5 accepted=2 rejected=3" in out and "ingest" in out and "done" in out
+
+
+def test_strict_ingest_names_file_line_and_field(tmp_path):
+    data = tmp_path / "data.jsonl"
+    _write_input(data)
+    from raycurate.data.schema import DataValidationError
+
+    with pytest.raises(DataValidationError, match=r"data.jsonl:3: .*id"):
+        main(["ingest", "--input", str(data), "--out", str(tmp_path / "run"), "--strict"])
+
+
+def test_missing_input_and_bad_override_exit_with_a_message(tmp_path, capsys):
+    assert main(["ingest", "--input", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "run")]) == 2
+    assert "nope.jsonl" in capsys.readouterr().err
+    assert main(["run", "--help-config"]) == 0
+    capsys.readouterr()
+    assert main(["demo", "--out", str(tmp_path / "d"), "train.zero_stage=7"]) == 2
+    assert "train.zero_stage: 7 is not one of [0, 1, 2, 3]" in capsys.readouterr().err
