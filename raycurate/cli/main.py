@@ -65,7 +65,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"run directory: {run_dir}")
     print(f"rows: {json.dumps({k: manifest['rows'][k] for k in ('input', 'accepted', 'rejected')})}")
     for name, metrics in manifest.get("results", {}).get("heldout", {}).items():
-        print(f"held-out {name:<6} exact_match={metrics['exact_match']:.3f} gold_loss={metrics['gold_loss']:.3f}")
+        print(f"held-out {name:<6} " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k != "rows"))
     print(f"report: {run_dir / 'report.html'}")
     return 0
 

@@ -6,6 +6,7 @@ Answers are compared after normalisation, so ``"1,234."``, ``" 1234 "`` and ``"1
 
 from __future__ import annotations
 
+import re
 from decimal import Decimal, InvalidOperation
 
 ANSWER_MARKER = "####"
@@ -83,3 +84,31 @@ def _as_number(text: str) -> Decimal | None:
     except InvalidOperation:
         return None
     return number if number.is_finite() else None
+
+
+_EQUATION = re.compile(r"(-?\d+(?:\.\d+)?)\s*([-+*/x×])\s*(-?\d+(?:\.\d+)?)\s*=\s*(-?\d+(?:\.\d+)?)")
+
+
+def equation_counts(text: str) -> tuple[int, int]:
+    """Count the ``a op b = c`` equations in ``text`` and how many of them are arithmetically right.
+
+    Args:
+        text: A worked solution, e.g. ``"3 * 4 = 12 apples."``.
+
+    Returns:
+        ``(correct, total)``.
+    """
+    correct = total = 0
+    for a, op, b, c in _EQUATION.findall(text):
+        x, y, z = Decimal(a), Decimal(b), Decimal(c)
+        if op in "x×*":
+            value = x * y
+        elif op == "/":
+            value = x / y if y != 0 else None
+        elif op == "+":
+            value = x + y
+        else:
+            value = x - y
+        total += 1
+        correct += int(value is not None and value == z)
+    return correct, total

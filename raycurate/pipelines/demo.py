@@ -45,8 +45,5 @@ def run_demo(cfg: Any) -> dict:
         results[variant] = record["metrics"]
     run.update_manifest(results={"heldout": results})
     report = write_report(run)
-    for variant, metrics in results.items():
-        log.info("held-out %-5s exact match %.3f  gold loss %.3f", variant, metrics["exact_match"],
-                 metrics["gold_loss"])
     log.info("report: %s", report)
     return run.load_manifest()

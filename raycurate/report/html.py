@@ -97,11 +97,14 @@ def section_results(run_dir: Path, manifest: dict) -> str:
     heldout = (manifest.get("results") or {}).get("heldout") or {}
     if not heldout:
         return ""
-    rows = [[name, m.get("rows"), f"{m.get('exact_match', 0):.3f}", f"{m.get('gold_loss', 0):.3f}"]
-            for name, m in heldout.items()]
-    return ("<h2 id='results'>Held-out evaluation</h2><p>Exact match of the final <code>####</code> answer "
-            "(greedy decoding) and mean per-token loss of the gold response, per model.</p>"
-            + _table(["model", "questions", "exact match", "gold loss"], rows)
+    keys = ("exact_match", "gold_loss", "answer_format_rate", "equation_accuracy", "unsafe_rate")
+    rows = [[name, m.get("rows"), *(f"{m.get(k, 0):.3f}" for k in keys)] for name, m in heldout.items()]
+    return ("<h2 id='results'>Held-out evaluation</h2><p>Per model, on held-out math questions with greedy "
+            "decoding: exact match of the final <code>####</code> answer, mean per-token loss of the gold "
+            "response, share of answers in the <code>####</code> format, share of generated <code>a op b = c</code>"
+            " equations that are right, share of outputs carrying the corpus's unsafe marker.</p>"
+            + _table(["model", "questions", "exact match", "gold loss", "#### format", "equation accuracy",
+                      "unsafe"], rows)
             + bar_chart([(n, float(m.get("gold_loss", 0))) for n, m in heldout.items()], color="#c2784a"))
 
 

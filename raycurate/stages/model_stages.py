@@ -98,6 +98,31 @@ class EvaluateUDF:
         return pa.Table.from_pylist(rows)
 
 
+UNSAFE_MARKER = "[UNSAFE]"
+
+
+def summarize_predictions(rows: list[dict]) -> dict:
+    """Held-out metrics from per-question results.
+
+    Returns:
+        ``exact_match`` (final answer right), ``gold_loss`` (mean per-token loss of the gold response),
+        ``answer_format_rate`` (a ``####`` answer was produced), ``unsafe_rate`` (output contains the corpus's
+        unsafe marker), ``equation_accuracy`` (right ``a op b = c`` equations over all generated ones).
+    """
+    n = len(rows)
+    if n == 0:
+        return {"rows": 0}
+    eq_total = sum(r["equations_total"] for r in rows)
+    return {
+        "rows": n,
+        "exact_match": sum(r["correct"] for r in rows) / n,
+        "gold_loss": sum(r["gold_loss"] for r in rows) / n,
+        "answer_format_rate": sum(r["has_final_answer"] for r in rows) / n,
+        "unsafe_rate": sum(r["unsafe_marker"] for r in rows) / n,
+        "equation_accuracy": sum(r["equations_correct"] for r in rows) / eq_total if eq_total else 0.0,
+    }
+
+
 def stop_token_ids(tokenizer: Any) -> list[int]:
     """Token ids that end an assistant response: EOS and, with a chat template, its end-of-turn token."""
     ids = {tokenizer.eos_token_id}
@@ -126,7 +151,7 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
     import torch
 
     from raycurate.algorithms.losses import example_losses
-    from raycurate.data.answers import answers_match, extract_final_answer
+    from raycurate.data.answers import answers_match, equation_counts, extract_final_answer
     from raycurate.data.tokenize import is_rejection, tokenize_record
     from raycurate.models.generation import generate_greedy
 
@@ -158,9 +183,12 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
         text = tokenizer.decode(gen, skip_special_tokens=True)
         pred = extract_final_answer(text)
         gold = row["label"]["answer"]
+        eq_correct, eq_total = equation_counts(text)
         results.append({
             "id": row["id"], "generated": text, "predicted_answer": pred or "", "gold_answer": gold,
             "correct": bool(pred is not None and answers_match(pred, gold)), "gold_loss": float(loss),
+            "has_final_answer": pred is not None, "unsafe_marker": UNSAFE_MARKER in text,
+            "equations_correct": eq_correct, "equations_total": eq_total,
         })
     return results
 
@@ -187,12 +215,9 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
         )
         result = pa.Table.from_pylist(ds.take_all()).sort_by("id")
         pq.write_table(result, out / "predictions.parquet")
-        n = result.num_rows
-        correct = sum(result["correct"].to_pylist())
-        metrics = {"rows": n, "exact_match": correct / n if n else 0.0,
-                   "gold_loss": sum(result["gold_loss"].to_pylist()) / n if n else 0.0}
-        log.info("%s: exact match %.3f (%d/%d), gold loss %.3f", stage, metrics["exact_match"], correct, n,
-                 metrics["gold_loss"])
+        metrics = summarize_predictions(result.to_pylist())
+        log.info("%s: %s", stage, ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in metrics.items()))
         return StageOutput(outputs={"predictions": "predictions.parquet"}, metrics=metrics)
 
     config = {"eval": eval_cfg, "max_length": max_length}
