@@ -1,0 +1,135 @@
+"""Time BRIDGE token utilities (one forward-mode JVP) against a plain forward and the per-token backward loop.
+
+Setup: the tiny-llama preset (4 layers, hidden 128, GQA 4/2 heads) with a 2,048-token vocabulary, one right-padded
+batch of ``--batch`` examples, each a ``--prompt``-token prompt side followed by exactly 128 supervised response
+tokens (EOS included); the direction is the real BRIDGE one on the final 4 layers (= all layers of the tiny model,
+the worst case for the JVP): validation gradient of a second batch plus an anchor from a seeded perturbation,
+lam = 0.2.  Timings are the minimum over ``--repeats`` interleaved runs (the machine is shared).  Denormal floats
+are flushed to zero for every timed computation (``torch.set_flush_denormal``, the recommended CPU setting for
+scoring actors; ``--keep-denormals`` turns it off): without it the attention and log-softmax of the forward-mode
+pass hit slow denormal arithmetic on CPU.  Informational rows time the utilities with gradients restricted to the
+last 1 and 2 layers, which is closer to the paper's setting (final 4 of 28 layers for Llama-3.2-3B).  Usage::
+
+    python benchmarks/bench_token_utility.py [--batch 2] [--prompt 64] [--repeats 9] [--threads 2]
+
+The last line is ``utility_over_forward=... backward_over_utility=... max_abs_err=...``: utility time / plain
+forward time (target <= 2.5), per-token-backward reference time / utility time (target >= 100), and the largest
+absolute difference between the JVP utilities and the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+RESPONSE_TOKENS = 128
+VOCAB = 2048
+
+
+def make_batch(n: int, prompt: int, vocab: int, pad_id: int, seed: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: prompts of ``prompt - k`` tokens (k = 0..n-1, so rows differ) + 128 response tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    width = prompt + RESPONSE_TOKENS
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width), dtype=torch.long)
+    for b in range(n):
+        p_len = prompt - b % 8
+        length = p_len + RESPONSE_TOKENS
+        input_ids[b, :length] = torch.randint(7, vocab, (length,), generator=gen)
+        attention_mask[b, :length] = 1
+        loss_mask[b, p_len:length] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def build(seed: int):
+    from raycurate.data.corpus import generate_corpus
+    from raycurate.models.tiny import build_tiny_model
+    from raycurate.models.tokenizer import train_tokenizer
+
+    rows = generate_corpus(400, seed=seed)
+    tokenizer = train_tokenizer([r["prompt"] + "\n" + r["response"] for r in rows], vocab_size=VOCAB)
+    return tokenizer, build_tiny_model("tiny-llama", tokenizer, seed)
+
+
+def direction_for(model, val_batch: dict[str, torch.Tensor], seed: int, last_layers: int = 4) -> dict:
+    from raycurate.algorithms import token_utility as tu
+
+    params = tu.scoring_parameters(model, last_layers=last_layers)
+    g_target = tu.validation_gradient(model, [val_batch], params)
+    gen = torch.Generator().manual_seed(seed)
+    theta_old = {name: p.detach() - 1e-3 * torch.randn(p.shape, generator=gen) for name, p in params.items()}
+    return tu.scoring_direction(g_target, tu.anchor_direction(params, theta_old), lam=0.2)
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    from raycurate.algorithms import token_utility as tu
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=64, help="prompt-side tokens of the longest example")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--keep-denormals", action="store_true", help="do not flush denormals to zero")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(not args.keep_denormals)
+
+    tokenizer, model = build(args.seed)
+    batch = make_batch(args.batch, args.prompt, len(tokenizer), tokenizer.pad_token_id, args.seed + 1)
+    val_batch = make_batch(args.batch, args.prompt, len(tokenizer), tokenizer.pad_token_id, args.seed + 2)
+    direction = direction_for(model, val_batch, args.seed)
+    shallow = {layers: direction_for(model, val_batch, args.seed, layers) for layers in (1, 2)}
+    inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+
+    def utility() -> torch.Tensor:
+        return tu.token_utilities(model, *inputs, direction)
+
+    timed = {"forward": forward, "utility": utility}
+    timed.update({f"L{layers}": (lambda d=d: tu.token_utilities(model, *inputs, d)) for layers, d in shallow.items()})
+    best = {name: float("inf") for name in timed}
+    for _ in range(args.repeats):  # interleaved, so load spikes hit all alike
+        for name, fn in timed.items():
+            best[name] = min(best[name], best_of(fn, 1))
+    t_forward, t_utility = best["forward"], best["utility"]
+    start = time.perf_counter()
+    reference = tu.reference_token_utilities(model, *inputs, direction)
+    t_reference = time.perf_counter() - start
+    fast = utility()
+    n_tokens = int(batch["loss_mask"].sum())
+    max_abs_err = float((fast - reference).abs().max())
+    scale = float(reference.abs().max())
+
+    print(f"tiny-llama, batch {args.batch} x {batch['input_ids'].shape[1]} tokens, {n_tokens} supervised tokens, "
+          f"L=4 layers, {torch.get_num_threads()} threads, flush denormals {not args.keep_denormals}")
+    print(f"{'computation':<34}{'seconds':>12}{'ratio':>12}")
+    print(f"{'plain forward (sdpa)':<34}{t_forward:>12.4f}{1.0:>12.2f}")
+    print(f"{'JVP utilities, L=4 (all tokens)':<34}{t_utility:>12.4f}{t_utility / t_forward:>12.2f}")
+    for layers in shallow:
+        label = f"  (info) JVP utilities, L={layers}"
+        print(f"{label:<34}{best[f'L{layers}']:>12.4f}{best[f'L{layers}'] / t_forward:>12.2f}")
+    print(f"{'per-token backward reference':<34}{t_reference:>12.4f}{t_reference / t_forward:>12.2f}")
+    print(f"max |a_jvp - a_ref| = {max_abs_err:.3e} (max |a_ref| = {scale:.3e}, relative {max_abs_err / scale:.1e})")
+    print(f"utility_over_forward={t_utility / t_forward:.3f} backward_over_utility={t_reference / t_utility:.1f} "
+          f"max_abs_err={max_abs_err:.3e}")
+
+
+if __name__ == "__main__":
+    main()

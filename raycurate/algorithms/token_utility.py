@@ -1,0 +1,375 @@
+"""BRIDGE validation-directed token utilities (paper §4.2, App. A.1; SPEC §4), pure torch.
+
+The scoring direction lives on the parameters of the final ``L`` transformer layers (default 4):
+
+    v = (1 - lam) g_target / (||g_target|| + eps) + lam g_anchor / (||g_anchor|| + eps),
+
+with ``g_target`` the gradient of the mean validation loss at the scoring checkpoint theta_bar and
+``g_anchor = theta_bar - theta_old``; both norms are taken over the whole restricted parameter set.  The utility
+of response token ``t`` of an example is the directional derivative of its loss along ``v``:
+
+    a_t = d/de l_t(theta_bar + e v) |_{e=0} = v . grad l_t.
+
+Sign convention (SPEC §4, followed literally; paper App. A.1): a descent step on the selected token losses,
+phi+ = phi_bar - eta G_S, changes the validation-directed objective Psi by -eta v.G_S + O(eta^2), so a token with
+**large positive** ``a_t`` is useful: descending on its loss descends on the validation loss and, through the
+anchor term (the gradient of the L2 retention prior 1/2 ||theta - theta_old||^2 at theta_bar), pulls back towards
+theta_old.  BRIDGE keeps the highest scores (Top-b); negative utilities mark tokens whose loss works against the
+validation direction.
+
+:func:`token_utilities` computes ``a_t`` for every supervised position of a batch in one forward-mode pass: the
+restricted parameters are swapped into the model as dual tensors (``torch.autograd.forward_ad`` +
+``torch.func.functional_call``); nothing else carries a tangent.  ``torch.func.jvp`` gives the same numbers but
+measured ~1.4x slower on the tiny model (its functorch wrapper layer), so the lower-level API is used.  Torch
+2.13's fused CPU SDPA kernel has no forward-mode AD formula (``NotImplementedError: Trying to use forward AD with
+_scaled_dot_product_flash_attention_for_cpu``), so the pass runs SDPA through its composite ``MATH`` backend
+(``torch.nn.attention.sdpa_kernel``), which decomposes into matmul/softmax and is differentiable in forward mode on
+every device; attention implementations that do not go through SDPA or eager (e.g. flash_attention_2) are
+temporarily switched to ``eager``.  :func:`reference_token_utilities` is the slow per-token backward loop used only
+by tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from raycurate.algorithms.losses import example_losses, token_losses
+
+# Attention implementations whose SDPA calls become forward-AD capable under the MATH backend.
+_MATH_SDPA_COMPATIBLE = ("sdpa", "eager", "raycurate_selective_eager")
+_BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
+
+
+# ------------------------------------------------------------------------------------------- parameters
+
+
+def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder-layer ModuleList (``model.model.layers``) and its qualified name inside ``model``."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__} has no `model.model.layers` ModuleList; scoring_parameters supports "
+            "Llama/Qwen2/Mistral/Gemma-style causal LMs (XxxForCausalLM wrapping XxxModel.layers). Pass the "
+            "restricted parameters explicitly as a {name: parameter} dict for other architectures."
+        )
+    for name, module in model.named_modules():
+        if module is layers:
+            return name, layers
+    raise ValueError("model.model.layers is not registered as a submodule of the model; cannot name its parameters")
+
+
+def scoring_parameters(model: nn.Module, last_layers: int = 4) -> dict[str, nn.Parameter]:
+    """Parameters of the final ``last_layers`` transformer layers (the BRIDGE gradient scope, paper Table 8).
+
+    Args:
+        model: A Llama/Qwen2/Mistral/Gemma-style causal LM (decoder layers at ``model.model.layers``).
+        last_layers: How many final layers to include, 1 <= L <= number of layers.
+
+    Returns:
+        ``{qualified name: parameter}`` in ``model.named_parameters()`` order; names are usable with
+        ``torch.func.functional_call(model, ...)``.
+    """
+    prefix, layers = _decoder_layers(model)
+    n_layers = len(layers)
+    if not 1 <= last_layers <= n_layers:
+        raise ValueError(
+            f"last_layers={last_layers} is out of range; the model has {n_layers} layers (use 1..{n_layers})"
+        )
+    wanted = tuple(f"{prefix}.{i}." for i in range(n_layers - last_layers, n_layers))
+    return {name: param for name, param in model.named_parameters() if name.startswith(wanted)}
+
+
+# -------------------------------------------------------------------------------------------- direction
+
+
+def _check_batch(batch: Mapping[str, torch.Tensor], where: str) -> None:
+    missing = [key for key in _BATCH_KEYS if key not in batch]
+    if missing:
+        raise KeyError(f"{where}: required keys {missing} not found; batch keys: {sorted(batch)}")
+    shapes = {key: tuple(batch[key].shape) for key in _BATCH_KEYS}
+    if len(set(shapes.values())) != 1 or len(shapes["input_ids"]) != 2:
+        raise ValueError(f"{where}: input_ids, attention_mask and loss_mask must share one (B, T) shape; got {shapes}")
+
+
+def _require_eval(model: nn.Module, what: str) -> None:
+    if model.training:
+        raise ValueError(f"{what} needs deterministic forward passes; call model.eval() first (dropout is active)")
+
+
+def validation_gradient(
+    model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], params: Mapping[str, nn.Parameter]
+) -> dict[str, torch.Tensor]:
+    """Gradient of the mean validation loss w.r.t. ``params`` only (g_target, paper App. B.1).
+
+    The validation loss is the SFT objective with unit weights: the mean over validation examples of each example's
+    mean supervised-token loss (:func:`raycurate.algorithms.losses.example_losses`); examples without supervised
+    positions do not count.  Per-batch gradients of the summed example losses are accumulated and divided by the
+    total example count, so the result does not depend on how the validation set is batched.  During the call only
+    ``params`` require grad (no graph through the other parameters); the flags are restored afterwards, and
+    ``.grad`` fields are not touched.
+
+    Args:
+        model: The causal LM at the scoring checkpoint theta_bar, in eval mode.
+        batches: Iterable of dicts with ``input_ids``, ``attention_mask``, ``loss_mask`` (B, T) on the model device.
+        params: ``{name: parameter}`` of ``model`` (e.g. :func:`scoring_parameters`).
+
+    Returns:
+        ``{name: gradient}`` float32 tensors shaped like the parameters.
+    """
+    _require_eval(model, "validation_gradient")
+    if not params:
+        raise ValueError("params is empty; pass scoring_parameters(model, last_layers)")
+    names, tensors = list(params), list(params.values())
+    wanted = {id(p) for p in tensors}
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    total = [torch.zeros_like(p, dtype=torch.float32) for p in tensors]
+    n_examples = 0
+    try:
+        for p, _ in flags:
+            p.requires_grad_(id(p) in wanted)
+        for batch in batches:
+            _check_batch(batch, "validation_gradient")
+            ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+            logits = model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False).logits
+            per_example = example_losses(logits, ids, loss_mask)  # (B,)
+            n_examples += int((loss_mask[:, 1:] != 0).any(dim=1).sum())
+            grads = torch.autograd.grad(per_example.sum(), tensors, allow_unused=True)
+            for acc, grad in zip(total, grads):
+                if grad is not None:
+                    acc += grad.float()
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+    if n_examples == 0:
+        raise ValueError("no validation example has a supervised position (loss_mask is 0 everywhere past t=0)")
+    return {name: acc / n_examples for name, acc in zip(names, total)}
+
+
+def _check_same_keys(first: Mapping[str, torch.Tensor], second: Mapping[str, torch.Tensor], what: str) -> None:
+    if set(first) != set(second):
+        only_a, only_b = sorted(set(first) - set(second)), sorted(set(second) - set(first))
+        raise KeyError(
+            f"{what}: parameter names differ; only in the first: {only_a[:5]}, only in the second: {only_b[:5]}"
+        )
+    bad = [name for name in first if first[name].shape != second[name].shape]
+    if bad:
+        raise ValueError(f"{what}: shapes differ for {bad[:5]}; both must come from the same architecture")
+
+
+def anchor_direction(
+    theta_bar_params: Mapping[str, torch.Tensor], theta_old_params: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """L2 retention anchor g_anchor = theta_bar - theta_old on the restricted parameters (paper App. B.3).
+
+    Args:
+        theta_bar_params: ``{name: tensor}`` of the warmup (scoring) checkpoint.
+        theta_old_params: ``{name: tensor}`` of the pretrained checkpoint, same names and shapes.
+
+    Returns:
+        ``{name: theta_bar - theta_old}`` as detached float32 tensors, in ``theta_bar_params`` order.
+    """
+    _check_same_keys(theta_bar_params, theta_old_params, "anchor_direction")
+    return {
+        name: theta_bar_params[name].detach().float() - theta_old_params[name].detach().to(
+            device=theta_bar_params[name].device, dtype=torch.float32
+        )
+        for name in theta_bar_params
+    }
+
+
+def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    """L2 norm of all tensors concatenated into one vector (accumulated in float64)."""
+    if not tensors:
+        raise ValueError("global_norm of an empty parameter set; pass at least one tensor")
+    return math.sqrt(sum(float((t.detach().double() ** 2).sum()) for t in tensors.values()))
+
+
+def scoring_direction(
+    g_target: Mapping[str, torch.Tensor],
+    g_anchor: Mapping[str, torch.Tensor] | None,
+    lam: float = 0.2,
+    eps: float = 1e-12,
+) -> dict[str, torch.Tensor]:
+    """The BRIDGE scoring direction v (paper §4.2, SPEC §4).
+
+    ``v = (1 - lam) g_target / (||g_target|| + eps) + lam g_anchor / (||g_anchor|| + eps)``; each norm is the
+    global L2 norm over the whole restricted parameter set (not per tensor).
+
+    Args:
+        g_target: ``{name: tensor}`` validation gradient (:func:`validation_gradient`).
+        g_anchor: ``{name: tensor}`` anchor (:func:`anchor_direction`), same names and shapes; may be ``None`` only
+            when ``lam == 0``.
+        lam: Anchor weight in [0, 1] (paper default 0.2).
+        eps: Stabiliser added to each norm.
+
+    Returns:
+        ``{name: v}`` float32 tensors in ``g_target`` order; ``||v|| <= 1`` (= 1 when lam is 0 or 1 and the
+        gradient is non-zero, up to eps).
+    """
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam={lam} must lie in [0, 1] (paper default 0.2)")
+    if eps < 0:
+        raise ValueError(f"eps={eps} must be >= 0")
+    if g_anchor is None:
+        if lam != 0.0:
+            raise ValueError(f"g_anchor is None but lam={lam}; pass anchor_direction(...) or set lam=0")
+        g_anchor = {name: torch.zeros_like(t) for name, t in g_target.items()}
+    _check_same_keys(g_target, g_anchor, "scoring_direction")
+    c_target = (1.0 - lam) / (global_norm(g_target) + eps)
+    c_anchor = lam / (global_norm(g_anchor) + eps)
+    return {
+        name: c_target * g_target[name].detach().float() + c_anchor * g_anchor[name].detach().float().to(
+            g_target[name].device
+        )
+        for name in g_target
+    }
+
+
+# ---------------------------------------------------------------------------------------------- utilities
+
+
+def _check_direction(model: nn.Module, direction: Mapping[str, torch.Tensor]) -> dict[str, nn.Parameter]:
+    if not direction:
+        raise ValueError("direction is empty; build it with scoring_direction(...) on scoring_parameters(model)")
+    params = dict(model.named_parameters())
+    unknown = [name for name in direction if name not in params]
+    if unknown:
+        raise KeyError(f"direction names {unknown[:5]} are not parameters of the model; use scoring_parameters(model)")
+    bad = [name for name in direction if direction[name].shape != params[name].shape]
+    if bad:
+        raise ValueError(f"direction shapes differ from the parameters for {bad[:5]}")
+    return {name: params[name] for name in direction}
+
+
+@contextmanager
+def _forward_ad_attention(model: nn.Module) -> Iterator[None]:
+    """Run attention through forward-AD-capable kernels: SDPA's MATH backend, or eager as a fallback."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", "eager")
+    switch = current not in _MATH_SDPA_COMPATIBLE
+    if switch:
+        model.set_attn_implementation("eager")
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        if switch:
+            model.set_attn_implementation(current)
+
+
+def _supervised(attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: positions that carry a loss (position 0 never does)."""
+    mask = (loss_mask != 0) & (attention_mask != 0)
+    mask[:, 0] = False
+    return mask
+
+
+def token_utilities(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    direction: Mapping[str, torch.Tensor],
+) -> torch.Tensor:
+    """Token utilities a_t = v . grad l_t at every supervised position, in one forward-mode pass.
+
+    Computed as the JVP of the per-position losses (:func:`raycurate.algorithms.losses.token_losses`) along ``v``:
+    the parameters named in ``direction`` become dual tensors (primal theta_bar, tangent v) swapped into the model
+    with ``torch.func.functional_call``; every other tensor has no tangent, so layers before the restricted ones
+    run as a plain forward.  Logits are formed only for the window of positions that predict a supervised token
+    (``logits_to_keep``), so prompt positions cost no vocabulary projection.  Sign: large positive = useful (see the module docstring).
+
+    Args:
+        model: Causal LM at theta_bar, in eval mode (Llama/Qwen2/Mistral/Gemma-style ``XxxForCausalLM``).
+        input_ids: (B, T) token ids, right-padded.
+        attention_mask: (B, T) 1 on real tokens, 0 on padding.
+        loss_mask: (B, T) 1 where ``input_ids[:, t]`` is a supervised target (the response side).
+        direction: ``{parameter name: v}`` (:func:`scoring_direction`); missing parameters get a zero tangent.
+
+    Returns:
+        (B, T) float32 utilities; exactly 0 at unsupervised, padded and t = 0 positions.
+    """
+    import torch.autograd.forward_ad as fwad
+    from torch.func import functional_call
+
+    _require_eval(model, "token_utilities")
+    for name, tensor in (("attention_mask", attention_mask), ("loss_mask", loss_mask)):
+        if tensor.shape != input_ids.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)} but input_ids has {tuple(input_ids.shape)}")
+    params = _check_direction(model, direction)
+    supervised = _supervised(attention_mask, loss_mask)  # (B, T)
+    utilities = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    if not supervised.any():
+        return utilities
+    cols = supervised.any(dim=0).nonzero().squeeze(1)
+    start, stop = int(cols[0]) - 1, int(cols[-1]) + 1  # logits at [start, stop) predict [start + 1, stop]
+    keep = torch.arange(start, stop, device=input_ids.device)  # (W,)
+    window_ids, window_mask = input_ids[:, start:stop], supervised[:, start:stop]  # (B, W)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, "logits_to_keep": keep}
+    with torch.no_grad(), _forward_ad_attention(model), warnings.catch_warnings(), fwad.dual_level():
+        # torch loads its forward-AD decompositions through the deprecated torch.jit.script on first use.
+        warnings.filterwarnings("ignore", message=".*torch.jit.script.*is deprecated", category=DeprecationWarning)
+        duals = {
+            name: fwad.make_dual(param.detach(), direction[name].detach().to(param.device, param.dtype))
+            for name, param in params.items()
+        }
+        logits = functional_call(model, duals, args=(), kwargs=kwargs).logits  # (B, W, V)
+        losses = token_losses(logits, window_ids, window_mask)  # (B, W); entry w is the loss of window_ids[:, w]
+        window_tangent = fwad.unpack_dual(losses).tangent  # (B, W) = d losses / d e along v
+    if window_tangent is None:  # the losses do not depend on the direction's parameters
+        return utilities
+    utilities[:, start:stop] = torch.where(window_mask, window_tangent.float(), 0.0)
+    return utilities
+
+
+def reference_token_utilities(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    direction: Mapping[str, torch.Tensor],
+) -> torch.Tensor:
+    """Per-token backward reference for :func:`token_utilities` (tests and benchmarks only; O(#tokens) passes).
+
+    For each example: one forward of that example, then one ``autograd.grad`` of each supervised token's loss
+    w.r.t. the direction's parameters, dotted with ``v``.
+
+    Args:
+        model: Causal LM in eval mode.
+        input_ids: (B, T) token ids, right-padded.
+        attention_mask: (B, T) 1 on real tokens.
+        loss_mask: (B, T) supervised-target mask.
+        direction: ``{parameter name: v}``.
+
+    Returns:
+        (B, T) float32 utilities, 0 at unsupervised positions.
+    """
+    _require_eval(model, "reference_token_utilities")
+    params = _check_direction(model, direction)
+    names = list(params)
+    tensors = [params[name] for name in names]
+    vectors = [direction[name].detach().to(params[name].device, torch.float32) for name in names]
+    supervised = _supervised(attention_mask, loss_mask)  # (B, T)
+    utilities = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    for b in range(input_ids.shape[0]):
+        positions = supervised[b].nonzero().squeeze(1).tolist()
+        if not positions:
+            continue
+        row = slice(b, b + 1)
+        logits = model(input_ids=input_ids[row], attention_mask=attention_mask[row], use_cache=False).logits
+        losses = token_losses(logits, input_ids[row], supervised[row])[0]  # (T,)
+        for t in positions:
+            grads = torch.autograd.grad(losses[t], tensors, retain_graph=True, allow_unused=True)
+            utilities[b, t] = sum(
+                (g.float() * vec).sum() for g, vec in zip(grads, vectors) if g is not None
+            )
+    return utilities
