@@ -598,9 +598,9 @@ def example_fidelity(
         rho_r: response supervision ratio.
         rounds: alternating rounds T.
         chunk: leave-one-out rows per JVP call.
-        count_fixed_response: whether the compared prompt scores (reference and proxies) include the fixed
-            response tokens (see :func:`exact_reference_scores`); the selection state always uses the folded
-            surrogate, as the selection stage does.
+        count_fixed_response: whether the prompt scores include the fixed response tokens (EOS, end-of-turn):
+            in the selection state (``prompt_bias``, as ``SelectionSettings.fold_fixed_response``) and in the
+            compared reference and proxies (see :func:`exact_reference_scores`).
 
     Returns:
         A :class:`FidelityExample`.
@@ -618,6 +618,8 @@ def example_fidelity(
     masks = _eligible_masks(prompt_len, n - prompt_len, p_idx, r_idx)
     beta, gamma, bias = fold_fixed_positions(a_p.T * a_full[None, :], c * a_full, *masks)
     b_p, b_r = budgets(p_idx.size, r_idx.size, rho_p, rho_r)
+    if not count_fixed_response:
+        bias = np.zeros_like(bias)  # the selection stage's default: fixed response tokens stay out of Delta_p
     state = select(beta, gamma, b_p, b_r, "alternating", rounds, prompt_bias=bias)
     s_p, s_r = state.prompt_mask, state.response_mask
     compacted = compacted_utilities(model, input_ids, prompt_len, _prompt_keep(p_idx, s_p, prompt_len), direction)

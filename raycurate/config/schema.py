@@ -8,12 +8,13 @@ from __future__ import annotations
 import dataclasses
 
 from raycurate.config.base import option
+from raycurate.config.bridge import BridgeConfig
 from raycurate.config.data import DataConfig
 from raycurate.config.model import ModelConfig
 from raycurate.config.train import TrainConfig
 from raycurate.stages.ray_data import ActorPoolConfig
 
-PIPELINES = ("demo", "sft")
+PIPELINES = ("demo", "sft", "bridge")
 
 
 @dataclasses.dataclass
@@ -47,6 +48,14 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class DemoConfig:
+    """What ``raycurate demo`` runs after the shared data preparation."""
+
+    methods: list[str] = option(["sft", "bridge"], "Pipelines the demo runs and compares: sft (mixed vs clean SFT), "
+                                "bridge (BRIDGE + token baselines).")
+
+
+@dataclasses.dataclass
 class JobConfig:
     """A complete raycurate job."""
 
@@ -58,3 +67,6 @@ class JobConfig:
     tokenize: ActorPoolConfig = option(ActorPoolConfig(batch_size=256), "Actor pool for tokenization.")
     train: TrainConfig = option(TrainConfig(), "Fine-tuning (Ray Train).")
     eval: EvalConfig = option(EvalConfig(), "Held-out evaluation.")
+    demo: DemoConfig = option(DemoConfig(), "Demo contents.")
+    bridge: BridgeConfig = option(BridgeConfig(), "BRIDGE token selection (pipeline bridge, and the demo).")
+    bridge_pool: ActorPoolConfig = option(ActorPoolConfig(batch_size=32), "Actor pool for BRIDGE scoring.")

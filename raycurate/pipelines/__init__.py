@@ -17,7 +17,13 @@ def _sft(cfg: Any) -> dict:
     return run_sft_pipeline(cfg)
 
 
-PIPELINES: dict[str, Callable[[Any], dict]] = {"demo": _demo, "sft": _sft}
+def _bridge(cfg: Any) -> dict:
+    from raycurate.pipelines.bridge import run_bridge_pipeline
+
+    return run_bridge_pipeline(cfg)
+
+
+PIPELINES: dict[str, Callable[[Any], dict]] = {"demo": _demo, "sft": _sft, "bridge": _bridge}
 
 
 def run_pipeline(cfg: Any) -> dict:

@@ -32,17 +32,27 @@ def run_demo(cfg: Any) -> dict:
     if "corpus" not in records:
         raise ValueError("the demo runs on the embedded corpus (it needs ground-truth labels); leave data.input "
                          "empty, or use pipeline=sft for your own data")
-    filter_tokens_stage(run, "subset_clean", tokens_stage="tokenize", description="label.clean == true",
-                        keep=clean_rows, config={"filter": "label.clean"}, force=forced(cfg, "subset_clean"))
+    unknown = set(cfg.demo.methods) - {"sft", "bridge"}
+    if unknown:
+        raise ValueError(f"demo.methods has unknown entries {sorted(unknown)}; choose from ['sft', 'bridge']")
+    variants = [("base", "base_model")]
+    if "sft" in cfg.demo.methods:
+        filter_tokens_stage(run, "subset_clean", tokens_stage="tokenize", description="label.clean == true",
+                            keep=clean_rows, config={"filter": "label.clean"}, force=forced(cfg, "subset_clean"))
+        for variant, tokens in (("mixed", "tokenize"), ("clean", "subset_clean")):
+            train_stage(run, f"train_{variant}", tokens_stage=tokens, init_stage="base_model", train_cfg=cfg.train,
+                        force=forced(cfg, f"train_{variant}"))
+            variants.append((variant, f"train_{variant}"))
     results = {}
-    for variant, tokens in (("mixed", "tokenize"), ("clean", "subset_clean")):
-        train_stage(run, f"train_{variant}", tokens_stage=tokens, init_stage="base_model", train_cfg=cfg.train,
-                    force=forced(cfg, f"train_{variant}"))
-    for variant, model_stage in (("base", "base_model"), ("mixed", "train_mixed"), ("clean", "train_clean")):
+    for variant, model_stage in variants:
         record = evaluate_stage(run, f"eval_{variant}", model_stage=model_stage, heldout_stage="corpus",
                                 eval_cfg=cfg.eval, max_length=cfg.data.max_length,
                                 force=forced(cfg, f"eval_{variant}"))
         results[variant] = record["metrics"]
+    if "bridge" in cfg.demo.methods:
+        from raycurate.pipelines.bridge import run_bridge_stages
+
+        results.update(run_bridge_stages(run, cfg, evaluate=True))
     run.update_manifest(results={"heldout": results})
     report = write_report(run)
     log.info("report: %s", report)

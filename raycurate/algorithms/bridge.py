@@ -1,0 +1,227 @@
+"""BRIDGE per-example pipeline: utilities + routing -> interactions -> budgets -> coupled selection -> closure.
+
+The scoring actor calls :func:`score_and_select_rows` on a batch of token rows; everything here is pure torch /
+numpy (the model is an argument), so the row logic runs and is tested without Ray.  The O(p r) interaction matrix
+lives only inside :func:`select_example`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from raycurate.algorithms.closure import final_answer_covered, pairs_from_flat, project_response
+from raycurate.algorithms.routing import attention_for_layer, interaction_terms, routing_weights
+from raycurate.algorithms.selection import budgets, eligible_positions, fold_fixed_positions, select, to_row_masks
+from raycurate.algorithms.token_utility import token_utilities
+
+SCHEDULES = ("independent", "one_pass", "alternating")
+
+
+@dataclass(frozen=True)
+class SelectionSettings:
+    """What :func:`select_example` needs besides the scores (a plain mirror of the BRIDGE config)."""
+
+    rho_p: float = 0.75
+    rho_r: float = 0.75
+    schedule: str = "alternating"
+    rounds: int = 4
+    closure: bool = True
+    closure_tau: float | None = None
+    closure_alpha: float = 0.5
+    max_unit_tokens: int = 96
+    min_unit_tokens: int = 4
+    fold_fixed_response: bool = False
+
+
+def fixed_masks(prompt_len: int, n: int, prompt_offsets: Sequence[int],
+                response_offsets: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Fixed (always kept / always supervised) positions: template and special tokens, whose offsets are -1.
+
+    Args:
+        prompt_len: Prompt-side positions p.
+        n: Row length.
+        prompt_offsets: Flat (start, end) char offsets of the p prompt-side tokens.
+        response_offsets: Flat (start, end) char offsets of the n - p response-side tokens.
+
+    Returns:
+        (fixed_prompt (p,) bool, fixed_response (n - p,) bool).
+    """
+    prompt = np.asarray(prompt_offsets, dtype=np.int64).reshape(-1, 2)[:, 0] < 0
+    response = np.asarray(response_offsets, dtype=np.int64).reshape(-1, 2)[:, 0] < 0
+    if prompt.shape[0] != prompt_len or response.shape[0] != n - prompt_len:
+        raise ValueError(f"offsets do not match the row: {prompt.shape[0]} prompt / {response.shape[0]} response "
+                         f"offsets for prompt_len={prompt_len}, n={n}; re-run tokenization")
+    return prompt, response
+
+
+def select_example(
+    utilities: np.ndarray,
+    a_p: np.ndarray,
+    c: np.ndarray,
+    row: Mapping[str, Any],
+    settings: SelectionSettings,
+) -> dict[str, Any]:
+    """Budgets, coupled selection and closure for one example.
+
+    Args:
+        utilities: (n,) token utilities a_t (non-zero on the response side only).
+        a_p: (r_all, p) prompt routing weights of every response-side position (``routing_weights``).
+        c: (r_all,) response-history mass.
+        row: Token row with ``input_ids``, ``prompt_len``, ``prompt_offsets``, ``response_offsets``, ``response``
+            and ``domain``.
+        settings: Budgets, schedule, closure options.
+
+    Returns:
+        ``prompt_keep`` (p,) int8, ``loss_mask`` (n,) int8, ``response_scores`` (r,) float32 (final conditional
+        scores of the eligible response tokens), ``u_sur`` (after every update), ``u_sur_by_schedule`` (final U_sur
+        of each schedule on the same interactions), budgets and closure diagnostics.
+    """
+    n, p = len(row["input_ids"]), int(row["prompt_len"])
+    fixed_prompt, fixed_response = fixed_masks(p, n, row["prompt_offsets"], row["response_offsets"])
+    has_bos = bool(fixed_prompt[0])
+    prompt_idx, response_idx = eligible_positions(n, p, has_bos, fixed_prompt, fixed_response)
+    a_resp = torch.as_tensor(utilities[p:n], dtype=torch.float32)
+    beta_full, gamma_full = interaction_terms(torch.as_tensor(a_p), a_resp, torch.as_tensor(c))
+    prompt_eligible = np.zeros(p, dtype=bool)
+    prompt_eligible[prompt_idx] = True
+    response_eligible = np.zeros(n - p, dtype=bool)
+    response_eligible[response_idx - p] = True
+    beta, gamma, bias = fold_fixed_positions(beta_full.double().numpy(), gamma_full.double().numpy(),
+                                             prompt_eligible, response_eligible)
+    if not settings.fold_fixed_response:
+        # Paper protocol: EOS / end-of-turn are fixed and excluded from Delta_p.  Their utilities are often orders of
+        # magnitude above content tokens, so folding them in would let EOS attention decide the prompt selection.
+        bias = None
+    b_p, b_r = budgets(len(prompt_idx), len(response_idx), settings.rho_p, settings.rho_r)
+    result = select(beta, gamma, b_p, b_r, settings.schedule, settings.rounds, prompt_bias=bias)
+    by_schedule = {
+        name: (result if name == settings.schedule else select(beta, gamma, b_p, b_r, name, settings.rounds,
+                                                                 prompt_bias=bias)).u_sur[-1]
+        for name in SCHEDULES
+    } if len(prompt_idx) and len(response_idx) else {name: 0.0 for name in SCHEDULES}
+    response_mask = result.response_mask
+    closure_info = {"closure_fallback": True, "final_answer_kept": -1, "final_answer_kept_score_only": -1,
+                    "utility_retained": float("nan"), "closure_solver": "off"}
+    if settings.closure and len(response_idx):
+        offsets = pairs_from_flat(row["response_offsets"])
+        eligible_offsets = [offsets[j - p] for j in response_idx]
+        projected = project_response(
+            row["response"], row.get("domain"), eligible_offsets, result.response_scores, b_r,
+            token_mask=response_mask, max_unit_tokens=settings.max_unit_tokens,
+            min_unit_tokens=settings.min_unit_tokens, tau=settings.closure_tau, alpha=settings.closure_alpha,
+        )
+        score_only = final_answer_covered(response_mask, projected.units) if projected.units else None
+        response_mask = projected.mask
+        closure_info = {
+            "closure_fallback": bool(projected.fallback),
+            "final_answer_kept": int(projected.final_answer_kept) if projected.has_final_answer else -1,
+            "final_answer_kept_score_only": -1 if score_only is None else int(score_only),
+            "utility_retained": float(projected.utility_retained),
+            "closure_solver": projected.solver,
+        }
+    prompt_keep, loss_mask = to_row_masks(n, p, prompt_idx, response_idx, result.prompt_mask, response_mask)
+    return {
+        "prompt_keep": prompt_keep.astype(np.int8),
+        "loss_mask": loss_mask.astype(np.int8),
+        "response_scores": np.asarray(result.response_scores, dtype=np.float32),
+        "u_sur": [float(u) for u in result.u_sur],
+        "u_sur_by_schedule": {k: float(v) for k, v in by_schedule.items()},
+        "b_p": int(b_p), "b_r": int(b_r),
+        "eligible_prompt": int(len(prompt_idx)), "eligible_response": int(len(response_idx)),
+        "kept_prompt": int(result.prompt_mask.sum()), "supervised_response": int(response_mask.sum()),
+        "rounds_run": int(result.rounds_run),
+        **closure_info,
+    }
+
+
+def pad_rows(rows: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad token rows into a batch.
+
+    Returns:
+        ``input_ids``, ``attention_mask``, ``loss_mask``: (B, T) long tensors.
+    """
+    width = max(len(r["input_ids"]) for r in rows)
+    batch = {k: torch.zeros((len(rows), width), dtype=torch.long) for k in ("input_ids", "attention_mask",
+                                                                          "loss_mask")}
+    batch["input_ids"].fill_(pad_id)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        batch["input_ids"][i, :n] = torch.as_tensor(r["input_ids"])
+        batch["attention_mask"][i, :n] = 1
+        batch["loss_mask"][i, :n] = torch.as_tensor(r["loss_mask"])
+    return batch
+
+
+def score_and_select_rows(
+    model: torch.nn.Module,
+    direction: Mapping[str, torch.Tensor],
+    routing_layer: int,
+    rows: Sequence[Mapping[str, Any]],
+    settings: SelectionSettings,
+    *,
+    pad_id: int = 0,
+    micro_batch: int = 8,
+) -> list[dict[str, Any]]:
+    """Token utilities (one JVP pass) and routing (one attention layer) per micro-batch, then per-example selection.
+
+    Args:
+        model: Scoring model at theta_bar, eval mode.
+        direction: Scoring direction v over the final layers' parameters.
+        routing_layer: Attention layer read for routing weights.
+        rows: Token rows (data contract).
+        settings: Selection settings.
+        pad_id: Padding token id.
+        micro_batch: Rows per forward pass.
+
+    Returns:
+        One :func:`select_example` result per row, in order.
+    """
+    out: list[dict[str, Any]] = []
+    for start in range(0, len(rows), micro_batch):
+        chunk = rows[start:start + micro_batch]
+        batch = pad_rows(chunk, pad_id)
+        utilities = token_utilities(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                                    direction)  # (B, T)
+        with torch.no_grad():
+            attn = attention_for_layer(model, batch["input_ids"], batch["attention_mask"], routing_layer)
+        for i, row in enumerate(chunk):
+            n = len(row["input_ids"])
+            a_p, c = routing_weights(attn[i], int(row["prompt_len"]), n)
+            out.append(select_example(utilities[i, :n].detach().numpy(), a_p.numpy(), c.numpy(), row, settings))
+    return out
+
+
+def prompt_relevance_drops(prompt_keep: Sequence[int], prompt_offsets: Sequence[int],
+                           relevant_spans: Sequence[Sequence[int]],
+                           distractor_spans: Sequence[Sequence[int]]) -> dict[str, int]:
+    """Count dropped vs total prompt tokens inside labelled relevant and distractor sentences.
+
+    A token belongs to a span when its character start lies inside it.
+
+    Args:
+        prompt_keep: (p,) 1 where the prompt-side token is kept.
+        prompt_offsets: Flat (start, end) char offsets of the p prompt-side tokens (-1 for template tokens).
+        relevant_spans: Char [start, end) spans of relevant sentences.
+        distractor_spans: Char [start, end) spans of distractor sentences.
+
+    Returns:
+        ``relevant_total``, ``relevant_dropped``, ``distractor_total``, ``distractor_dropped``.
+    """
+    starts = np.asarray(prompt_offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+    dropped = np.asarray(prompt_keep, dtype=bool) == 0
+
+    def inside(spans: Sequence[Sequence[int]]) -> np.ndarray:
+        hit = np.zeros(starts.shape[0], dtype=bool)
+        for lo, hi in spans:
+            hit |= (starts >= lo) & (starts < hi)
+        return hit
+
+    relevant, distractor = inside(relevant_spans), inside(distractor_spans)
+    return {
+        "relevant_total": int(relevant.sum()), "relevant_dropped": int((relevant & dropped).sum()),
+        "distractor_total": int(distractor.sum()), "distractor_dropped": int((distractor & dropped).sum()),
+    }

@@ -1,0 +1,36 @@
+"""Config section of the BRIDGE pipeline (``bridge:`` in a job YAML); defaults are the paper's (SPEC §4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raycurate.config.base import option
+
+
+@dataclass
+class BridgeConfig:
+    """Coupled prompt-token / response-token selection."""
+
+    rho_p: float = option(0.75, "Share of eligible prompt tokens kept (b_p = round(rho_p * eligible)).")
+    rho_r: float = option(0.75, "Share of eligible response tokens supervised (b_r = round(rho_r * eligible)).")
+    schedule: str = option("alternating", "Selection schedule.", choices=("independent", "one_pass", "alternating"))
+    rounds: int = option(4, "Alternating rounds T (alternating schedule only).")
+    lam: float = option(0.2, "Anchor weight lambda in v = (1-lambda) g_target/|g| + lambda g_anchor/|g|.")
+    last_layers: int = option(4, "Final transformer layers whose parameters define the scoring direction.")
+    routing_layer: int | None = option(None, "Attention layer for routing weights (null: last full-attention layer).")
+    closure: bool = option(True, "Apply the structure-aware closure projection to the response mask.")
+    closure_tau: float | None = option(None, "Closure score floor tau (null: the closure module's default).")
+    closure_alpha: float = option(0.5, "Closure length exponent alpha in q(u) = sum max(s, -tau) / |u|^alpha.")
+    max_unit_tokens: int = option(96, "Closure: split structural units longer than this.")
+    min_unit_tokens: int = option(4, "Closure: merge structural units shorter than this.")
+    fold_fixed_response: bool = option(
+        False, "Count the always-supervised EOS / end-of-turn tokens in the prompt scores Delta_p (paper: no)."
+    )
+    warmup_epochs: int = option(1, "Epochs of warmup SFT on the warmup split (theta_old -> theta_bar).")
+    validation_rows: int | None = option(None, "Cap on validation rows for g_target (null: the whole split).")
+    micro_batch: int = option(8, "Examples per forward JVP / attention pass inside a scoring actor.")
+    diagnostics_rows: int = option(200, "Examples in the fidelity diagnostics sample (0 disables).")
+    baselines: list[str] = option(
+        ["random"], "Token-selection baselines trained at matched budgets.",
+    )
+    seed: int = option(0, "Seed of the random baseline and the diagnostics sample.")

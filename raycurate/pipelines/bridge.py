@@ -1,0 +1,92 @@
+"""BRIDGE pipeline (SPEC §4): coupled prompt-token / response-token selection, then compact SFT from theta_old.
+
+Stages after the shared data preparation:
+bridge_{warmup,validation,pool}_rows -> bridge_warmup (SFT, theta_old -> theta_bar) -> bridge_direction (v) ->
+bridge_select (Ray Data actors: utilities, routing, alternating selection, closure) -> bridge_compact ->
+train_bridge (compact SFT from theta_old) -> eval_bridge; baselines at matched budgets (random, ...) ->
+train_<name> -> eval_<name>; bridge_diagnostics (fidelity table on a sample).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from raycurate.pipelines.common import forced
+
+log = logging.getLogger("raycurate")
+
+
+def split_equals(name: str):
+    """A token-table filter keeping the rows of one split."""
+
+    def keep(table: Any) -> Any:
+        import pyarrow.compute as pc
+
+        return pc.equal(table["split"], name)
+
+    return keep
+
+
+def run_bridge_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
+    """The BRIDGE stages on top of ``prepare_data``'s outputs; returns ``{method: heldout metrics}``."""
+    from raycurate.stages.bridge import direction_stage, score_select_stage
+    from raycurate.stages.bridge_compact import baseline_masks_stage, compact_stage
+    from raycurate.stages.data_stages import filter_tokens_stage
+    from raycurate.stages.model_stages import evaluate_stage, train_stage
+
+    bridge = cfg.bridge
+    for split in ("warmup", "validation", "selection"):
+        filter_tokens_stage(run, f"bridge_{split}_rows", tokens_stage="tokenize", description=f"split == {split}",
+                            keep=split_equals(split), config={"split": split},
+                            force=forced(cfg, f"bridge_{split}_rows"))
+    warmup_cfg = dataclasses.replace(cfg.train, epochs=bridge.warmup_epochs, max_steps=None)
+    train_stage(run, "bridge_warmup", tokens_stage="bridge_warmup_rows", init_stage="base_model",
+                train_cfg=warmup_cfg, force=forced(cfg, "bridge_warmup"))
+    direction_stage(run, warmup_stage="bridge_warmup", base_stage="base_model", validation_stage="bridge_validation_rows",
+                    bridge_cfg=bridge, force=forced(cfg, "bridge_direction"))
+    select = score_select_stage(run, tokens_stage="bridge_selection_rows", warmup_stage="bridge_warmup",
+                                direction_stage_name="bridge_direction", bridge_cfg=bridge, pool_cfg=cfg.bridge_pool,
+                                force=forced(cfg, "bridge_select"))
+    log.info("bridge selection: %s", {k: v for k, v in select["metrics"].items() if not isinstance(v, dict)})
+    methods = {"bridge": "bridge_compact"}
+    compact_stage(run, "bridge_compact", selection_stage="bridge_select", mask_prefix="sel",
+                  force=forced(cfg, "bridge_compact"))
+    for name in bridge.baselines:
+        baseline_masks_stage(run, f"baseline_{name}_masks", method=name, selection_stage="bridge_select",
+                             warmup_stage="bridge_warmup", base_stage="base_model", bridge_cfg=bridge,
+                             pool_cfg=cfg.bridge_pool, force=forced(cfg, f"baseline_{name}_masks"))
+        compact_stage(run, f"baseline_{name}_compact", selection_stage=f"baseline_{name}_masks", mask_prefix=name,
+                      force=forced(cfg, f"baseline_{name}_compact"))
+        methods[name] = f"baseline_{name}_compact"
+    if bridge.diagnostics_rows > 0:
+        from raycurate.stages.bridge_diagnostics import diagnostics_stage
+
+        diagnostics_stage(run, selection_stage="bridge_select", warmup_stage="bridge_warmup",
+                          direction_stage_name="bridge_direction", bridge_cfg=bridge,
+                          force=forced(cfg, "bridge_diagnostics"))
+    results: dict[str, dict] = {}
+    for name, tokens_stage in methods.items():
+        train_stage(run, f"train_{name}", tokens_stage=tokens_stage, init_stage="base_model", train_cfg=cfg.train,
+                    force=forced(cfg, f"train_{name}"))
+        if evaluate:
+            record = evaluate_stage(run, f"eval_{name}", model_stage=f"train_{name}", heldout_stage="corpus",
+                                    eval_cfg=cfg.eval, max_length=cfg.data.max_length,
+                                    force=forced(cfg, f"eval_{name}"))
+            results[name] = record["metrics"]
+    return results
+
+
+def run_bridge_pipeline(cfg: Any) -> dict:
+    """``pipeline: bridge``: data preparation, BRIDGE, its baselines and (on the embedded corpus) evaluation."""
+    from raycurate.pipelines.common import open_run, prepare_data
+    from raycurate.pipelines.sft import write_report
+
+    run = open_run(cfg)
+    records = prepare_data(run, cfg)
+    results = run_bridge_stages(run, cfg, evaluate="corpus" in records)
+    if results:
+        run.update_manifest(results={"heldout": results})
+    write_report(run)
+    return run.load_manifest()

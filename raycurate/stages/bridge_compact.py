@@ -1,0 +1,184 @@
+"""Compaction of selected token rows, matched-budget baseline masks, and the BRIDGE fidelity diagnostics."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from raycurate.rundir import RunDir
+from raycurate.stages.base import StageOutput, output_path, run_stage
+
+log = logging.getLogger("raycurate")
+
+# Columns a compacted token table keeps (the token contract plus what evaluation and reports read).
+KEEP_COLUMNS = ("id", "input_ids", "prompt_len", "loss_mask", "weight", "prompt_offsets", "response_offsets",
+                "prompt", "response", "domain", "split", "label")
+
+
+def compact_part(table: Any, prefix: str) -> tuple[Any, dict]:
+    """Compact one parquet part: ``<prefix>_prompt_keep`` / ``<prefix>_loss_mask`` -> a token table.
+
+    Returns:
+        (compacted pyarrow table, counts of tokens before/after and supervised positions).
+    """
+    import numpy as np
+    import pyarrow as pa
+
+    from raycurate.algorithms.compaction import compact_table_rows
+
+    rows = table.to_pylist()
+    masks = {r["id"]: (np.asarray(r[f"{prefix}_prompt_keep"], dtype=bool), np.asarray(r[f"{prefix}_loss_mask"],
+                                                                                      dtype=bool)) for r in rows}
+    base = [{k: r[k] for k in KEEP_COLUMNS if k in r} for r in rows]
+    compact = compact_table_rows(base, masks)
+    counts = {
+        "rows": len(rows),
+        "tokens_full": sum(len(r["input_ids"]) for r in rows),
+        "tokens_compact": sum(len(r["input_ids"]) for r in compact),
+        "supervised_full": sum(int(sum(r["loss_mask"])) for r in rows),
+        "supervised_compact": sum(int(sum(r["loss_mask"])) for r in compact),
+    }
+    schema = table.select([c for c in KEEP_COLUMNS if c in table.schema.names]).schema
+    fields = [schema.field(n) for n in schema.names]
+    fields.append(pa.field("n_tokens_full", pa.int32()))
+    return pa.Table.from_pylist(compact, schema=pa.schema(fields)), counts
+
+
+def compact_stage(run: RunDir, stage: str, *, selection_stage: str, mask_prefix: str, force: bool = False) -> dict:
+    """Physically compact kept prompt tokens and mask unselected response positions (SPEC §4 "Compact SFT")."""
+    import pyarrow.parquet as pq
+
+    record = run.stage_record(selection_stage) or {}
+    source_name = "selection" if "selection" in record.get("outputs", {}) else "masks"
+    source = output_path(run, selection_stage, source_name)
+
+    def body(out: Path) -> StageOutput:
+        (out / "tokens").mkdir()
+        totals: dict[str, int] = {}
+        for index, part in enumerate(sorted(source.glob("*.parquet"))):
+            table, counts = compact_part(pq.read_table(part), mask_prefix)
+            pq.write_table(table, out / "tokens" / f"part-{index:05d}.parquet")
+            for k, v in counts.items():
+                totals[k] = totals.get(k, 0) + v
+        totals_f: dict[str, Any] = dict(totals)
+        if totals.get("tokens_full"):
+            totals_f["executed_token_ratio"] = totals["tokens_compact"] / totals["tokens_full"]
+        if totals.get("supervised_full"):
+            totals_f["supervised_ratio"] = totals["supervised_compact"] / totals["supervised_full"]
+        return StageOutput(outputs={"tokens": "tokens"}, metrics=totals_f)
+
+    return run_stage(run, stage, body, config={"prefix": mask_prefix}, upstream=[selection_stage], force=force)
+
+
+BASELINES = ("random", "token_cleaning")
+
+
+def random_baseline_columns(rows: list[dict], bridge_cfg: Any) -> dict[str, list]:
+    """Random masks with BRIDGE's budgets (matched ratios), seeded per (seed, example id)."""
+    from raycurate.algorithms.bridge import fixed_masks
+    from raycurate.algorithms.token_baselines import example_rng, random_masks
+
+    keep, loss = [], []
+    for r in rows:
+        n, p = len(r["input_ids"]), int(r["prompt_len"])
+        fixed_p, fixed_r = fixed_masks(p, n, r["prompt_offsets"], r["response_offsets"])
+        masks = random_masks(n, p, bridge_cfg.rho_p, bridge_cfg.rho_r, example_rng(bridge_cfg.seed, r["id"]),
+                             has_bos=bool(fixed_p[0]), fixed_prompt_mask=fixed_p, fixed_response_mask=fixed_r)
+        keep.append(masks.prompt_keep.astype("int8").tolist())
+        loss.append(masks.loss_mask.astype("int8").tolist())
+    return {"prompt_keep": keep, "loss_mask": loss}
+
+
+class TokenLossUDF:
+    """Ray Data actor: per-token losses of the base model and the reference (warmup) model -> Token Cleaning masks."""
+
+    def __init__(self, base_dir: str, reference_dir: str, rho_p: float, rho_r: float, threads: int):
+        import torch
+
+        from raycurate.models.loading import load_model, load_tokenizer
+
+        torch.set_num_threads(max(1, threads))
+        self.base = load_model(base_dir, dtype="float32").eval()
+        self.reference = load_model(reference_dir, dtype="float32").eval()
+        self.pad_id = load_tokenizer(base_dir).pad_token_id or 0
+        self.rho_p, self.rho_r = rho_p, rho_r
+
+    def __call__(self, batch: Any) -> Any:
+        import pyarrow as pa
+
+        rows = batch.select(["input_ids", "prompt_len", "loss_mask", "prompt_offsets", "response_offsets"]).to_pylist()
+        columns = token_cleaning_columns(self.base, self.reference, rows, self.rho_p, self.rho_r, self.pad_id)
+        out = batch
+        for name, values in columns.items():
+            out = out.append_column(f"token_cleaning_{name}", pa.array(values, type=pa.list_(pa.int8())))
+        return out
+
+
+def token_cleaning_columns(base: Any, reference: Any, rows: list[dict], rho_p: float, rho_r: float,
+                           pad_id: int) -> dict[str, list]:
+    """Token Cleaning masks: response tokens ranked by excess loss (base - reference), one-sided matched budget."""
+    import torch
+
+    from raycurate.algorithms.bridge import fixed_masks, pad_rows
+    from raycurate.algorithms.losses import token_losses
+    from raycurate.algorithms.token_baselines import response_scores, token_cleaning_masks
+
+    batch = pad_rows(rows, pad_id)
+    with torch.no_grad():
+        losses = {name: token_losses(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                                     .logits.float(), batch["input_ids"], batch["loss_mask"])
+                  for name, model in (("base", base), ("reference", reference))}
+    keep, loss = [], []
+    for i, r in enumerate(rows):
+        n, p = len(r["input_ids"]), int(r["prompt_len"])
+        fixed_p, fixed_r = fixed_masks(p, n, r["prompt_offsets"], r["response_offsets"])
+        scores = response_scores("token_cleaning", losses["base"][i, :n].numpy(), losses["reference"][i, :n].numpy())
+        masks = token_cleaning_masks(scores, p, rho_r, budget="matched", rho_p=rho_p, has_bos=bool(fixed_p[0]),
+                                     fixed_prompt_mask=fixed_p, fixed_response_mask=fixed_r)
+        keep.append(masks.prompt_keep.astype("int8").tolist())
+        loss.append(masks.loss_mask.astype("int8").tolist())
+    return {"prompt_keep": keep, "loss_mask": loss}
+
+
+def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stage: str, warmup_stage: str,
+                         base_stage: str, bridge_cfg: Any, pool_cfg: Any = None, force: bool = False) -> dict:
+    """Masks of a token-selection baseline for the same rows as BRIDGE; writes ``masks/*.parquet``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if method not in BASELINES:
+        raise ValueError(f"unknown token baseline {method!r}; available: {', '.join(BASELINES)}")
+    source = output_path(run, selection_stage, "selection")
+    keep_cols = [*KEEP_COLUMNS]
+
+    def body(out: Path) -> StageOutput:
+        (out / "masks").mkdir()
+        if method == "random":
+            for index, part in enumerate(sorted(source.glob("*.parquet"))):
+                table = pq.read_table(part)
+                table = table.select([c for c in keep_cols if c in table.schema.names])
+                cols = random_baseline_columns(table.to_pylist(), bridge_cfg)
+                for name, values in cols.items():
+                    table = table.append_column(f"random_{name}", pa.array(values, type=pa.list_(pa.int8())))
+                pq.write_table(table, out / "masks" / f"part-{index:05d}.parquet")
+        else:
+            import ray.data
+
+            from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+
+            ray.data.DataContext.get_current().execution_options.preserve_order = True
+            pool = resolve_pool(pool_cfg or ActorPoolConfig(batch_size=16))
+            ds = ray.data.read_parquet(str(source), columns=[c for c in keep_cols])
+            ds = map_with_actor_pool(ds, TokenLossUDF, {
+                "base_dir": str(output_path(run, base_stage, "model")),
+                "reference_dir": str(output_path(run, warmup_stage, "model")),
+                "rho_p": bridge_cfg.rho_p, "rho_r": bridge_cfg.rho_r, "threads": max(1, int(round(pool.num_cpus))),
+            }, pool)
+            ds.write_parquet(str(out / "masks"))
+        return StageOutput(outputs={"masks": "masks"}, metrics={"method": method})
+
+    config = {"method": method, "rho_p": bridge_cfg.rho_p, "rho_r": bridge_cfg.rho_r, "seed": bridge_cfg.seed}
+    return run_stage(run, stage, body, config=config, upstream=[selection_stage, warmup_stage, base_stage],
+                     force=force)
