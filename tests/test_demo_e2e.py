@@ -21,7 +21,8 @@ def test_demo_end_to_end_resume_and_rerun_downstream_only(tmp_path, ray_local, c
     args = [
         "demo", "--out", str(run_dir), "data.corpus_rows=160", "data.heldout_rows=10", "model.pretrain_steps=10",
         "model.pretrain_rows=300", f"model.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
-        "eval.max_new_tokens=8", "run.progress=false",
+        "eval.max_new_tokens=8", "run.progress=false", "train.micro_batch_size=2", "train.effective_batch_size=4",
+        "bridge.diagnostics_rows=4",
     ]
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -37,15 +38,24 @@ def test_demo_end_to_end_resume_and_rerun_downstream_only(tmp_path, ray_local, c
     }
     rejected = [json.loads(line) for f in rows["rejected_files"] for line in (run_dir / f).read_text().splitlines()]
     assert len(rejected) == 8 and all(r["reason"] and r["line"] for r in rejected)
-    expected = {"corpus", "base_model", "ingest", "tokenize", "subset_clean", "train_mixed", "train_clean",
-                "eval_base", "eval_mixed", "eval_clean"}
+    methods = ("mixed", "clean", "bridge", "random", "token_cleaning")
+    expected = {"corpus", "base_model", "ingest", "tokenize", "subset_clean", "eval_base",
+                *(f"train_{m}" for m in methods), *(f"eval_{m}" for m in methods),
+                "bridge_warmup_rows", "bridge_validation_rows", "bridge_selection_rows", "bridge_warmup",
+                "bridge_direction", "bridge_select", "bridge_compact", "bridge_diagnostics",
+                *(f"baseline_{b}_{k}" for b in ("random", "token_cleaning") for k in ("masks", "compact"))}
     assert set(manifest["stages"]) == expected
     assert all(rec["status"] == "done" and rec["seconds"] >= 0 for rec in manifest["stages"].values())
     assert manifest["stages"]["train_mixed"]["metrics"]["steps"] == 2
     assert (run_dir / "train_mixed/model/config.json").exists()
     assert (run_dir / "config.yaml").exists()
     heldout = manifest["results"]["heldout"]
-    assert set(heldout) == {"base", "mixed", "clean"} and all(m["rows"] == 10 for m in heldout.values())
+    assert set(heldout) == {"base", *methods} and all(m["rows"] == 10 for m in heldout.values())
+    select = manifest["stages"]["bridge_select"]["metrics"]
+    assert select["budget_exact_share"] == 1.0
+    assert select["final_answer_coverage_closure"] >= max(0.9, select["final_answer_coverage_score_only"])
+    assert select["u_sur_alternating"] >= select["u_sur_one_pass"] - 1e-9
+    assert manifest["stages"]["bridge_diagnostics"]["metrics"]["examples"] == 4
     report = (run_dir / "report.html").read_text()
     for section in ("Row accounting", "Stage timings", "Held-out evaluation", "Embedded corpus"):
         assert section in report
@@ -57,4 +67,4 @@ def test_demo_end_to_end_resume_and_rerun_downstream_only(tmp_path, ray_local, c
     assert main([*args, "eval.max_new_tokens=9"]) == 0
     after = _finished(run_dir)
     rerun = {name for name in before if after[name] != before[name]}
-    assert rerun == {"eval_base", "eval_mixed", "eval_clean"}
+    assert rerun == {name for name in before if name.startswith("eval_")}
