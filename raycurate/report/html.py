@@ -20,6 +20,9 @@ h1{font-size:1.6rem}h2{font-size:1.2rem;border-bottom:1px solid #dde;padding-bot
 table{border-collapse:collapse;margin:.5rem 0}td,th{border:1px solid #dde;padding:.25rem .6rem;text-align:right}
 th{background:#f3f5f9}td:first-child,th:first-child{text-align:left}.muted{color:#667}
 .bad{color:#a12}.ok{color:#185}svg text{font-size:12px;font-family:inherit}
+.tokens{font-family:ui-monospace,monospace;white-space:pre-wrap;border:1px solid #dde;padding:.5rem;margin:.3rem 0}
+.kept{background:#dcefdc}.dropped{background:#f6d5d5;text-decoration:line-through;color:#844}
+.sup{background:#d6e4f7}.unsup{color:#889}.unit{border-left:2px solid #c2784a}
 """
 
 
@@ -120,8 +123,82 @@ def section_corpus(run_dir: Path, manifest: dict) -> str:
     return "".join(parts)
 
 
+def _spans(text: str, offsets: list[int], marks: list[int], on: str, off: str) -> str:
+    """Text with each token's character span wrapped in a class chosen by its mark (template tokens skipped)."""
+    out, cursor = [], 0
+    for k in range(0, len(offsets), 2):
+        start, end = offsets[k], offsets[k + 1]
+        if start < 0 or start < cursor:
+            continue
+        out.append(_esc(text[cursor:start]))
+        out.append(f"<span class='{on if marks[k // 2] else off}'>{_esc(text[start:end])}</span>")
+        cursor = end
+    out.append(_esc(text[cursor:]))
+    return "".join(out)
+
+
+def bridge_examples_html(rows: list[dict], limit: int = 3) -> str:
+    """Paper Fig. 7 style: kept/dropped prompt tokens and supervised/unsupervised response tokens."""
+    parts = []
+    for row in rows[:limit]:
+        p = int(row["prompt_len"])
+        prompt = _spans(row["prompt"], row["prompt_offsets"], row["sel_prompt_keep"], "kept", "dropped")
+        response = _spans(row["response"], row["response_offsets"], row["sel_loss_mask"][p:], "sup", "unsup")
+        parts.append(f"<p><b>{_esc(row['id'])}</b> ({_esc(row.get('domain'))}): kept {row['sel_kept_prompt']}/"
+                     f"{row['sel_eligible_prompt']} prompt tokens, supervised {row['sel_supervised_response']}/"
+                     f"{row['sel_eligible_response']} response tokens</p><div class='tokens'>{prompt}</div>"
+                     f"<div class='tokens'>{response}</div>")
+    return "".join(parts)
+
+
+def section_bridge(run_dir: Path, manifest: dict) -> str:
+    stages = manifest.get("stages", {})
+    select = stages.get("bridge_select", {})
+    if select.get("status") != "done":
+        return ""
+    m = select.get("metrics", {})
+    out = ["<h2 id='bridge'>BRIDGE token selection</h2>"]
+    budget_rows = [["prompt kept / eligible", f"{m.get('prompt_budget_ratio', 0):.4f}"],
+                   ["response supervised / eligible", f"{m.get('response_budget_ratio', 0):.4f}"],
+                   ["rows with exact budgets", f"{m.get('budget_exact_share', 0):.3f}"],
+                   ["final-answer coverage, closure", m.get("final_answer_coverage_closure")],
+                   ["final-answer coverage, score only", m.get("final_answer_coverage_score_only")],
+                   ["distractor prompt tokens dropped", f"{m.get('distractor_dropped_share', 0):.3f}"],
+                   ["relevant prompt tokens dropped", f"{m.get('relevant_dropped_share', 0):.3f}"]]
+    for stage in ("bridge_compact", "baseline_random_compact", "baseline_token_cleaning_compact"):
+        cm = stages.get(stage, {}).get("metrics", {})
+        if "executed_token_ratio" in cm:
+            budget_rows.append([f"executed tokens after compaction ({stage})", f"{cm['executed_token_ratio']:.3f}"])
+    out.append("<h3>Realised budgets (Table 7 style)</h3>" + _table(["quantity", "value"], budget_rows))
+    out.append("<h3>Surrogate utility by schedule (mean U_sur)</h3>" + bar_chart(
+        [(k, float(m.get(f"u_sur_{k}", 0.0))) for k in ("independent", "one_pass", "alternating")]))
+    fidelity_path = run_dir / "bridge_diagnostics" / "fidelity.json"
+    if fidelity_path.exists():
+        fid = json.loads(fidelity_path.read_text())
+        rows = [[r["side"], r["proxy"], *(f"{r[k]:.4f}" for k in ("spearman", "top_b_overlap", "jaccard",
+                                                                   "normalized_regret"))] for r in fid["table"]]
+        out.append(f"<h3>Fidelity to exact reference scores (Table 3 style, {fid['examples']} examples)</h3>"
+                   + _table(["side", "proxy", "Spearman", "Top-b overlap", "Jaccard", "norm. regret"], rows))
+        shift = fid.get("ranking_shift", {})
+        if shift:
+            srows = [[f"{r:.2f}", f"{ps:.3f}", f"{rs:.3f}"] for r, ps, rs in zip(
+                shift["retention"], shift["prompt_shift"], shift["response_shift"])]
+            out.append("<h3>Ranking shift vs opposite-side retention (Fig. 2b)</h3>"
+                       + _table(["opposite-side retention", "prompt shift", "response shift"], srows))
+    selection_dir = run_dir / "bridge_select" / "selection"
+    parts = sorted(selection_dir.glob("*.parquet"))
+    if parts:
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(parts[0]).slice(0, 3).to_pylist()
+        out.append("<h3>Examples</h3><p>Prompt: <span class='kept'>kept</span> / <span class='dropped'>dropped"
+                   "</span>; response: <span class='sup'>supervised</span> / <span class='unsup'>unsupervised"
+                   "</span> (the whole response stays in the causal history).</p>" + bridge_examples_html(rows))
+    return "".join(out)
+
+
 SECTIONS: list[Callable[[Path, dict], str]] = [
-    section_summary, section_rows, section_timings, section_results, section_corpus,
+    section_summary, section_rows, section_timings, section_results, section_bridge, section_corpus,
 ]
 
 
