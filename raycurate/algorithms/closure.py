@@ -78,6 +78,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from raycurate.algorithms.selection import top_b
+
 MAX_UNIT_TOKENS = 96
 MIN_UNIT_TOKENS = 4
 DP_CAPACITY_LIMIT = 2048
@@ -727,11 +729,8 @@ def _check_inputs(scores: np.ndarray, units: Sequence[Unit], b_r: int) -> None:
 
 
 def top_b_mask(scores: np.ndarray, b: int) -> np.ndarray:
-    """(r,) bool mask of the ``b`` highest scores, ties by position (lower first)."""
-    order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
-    mask = np.zeros(scores.shape[0], dtype=bool)
-    mask[order[:b]] = True
-    return mask
+    """(r,) bool mask of the ``b`` highest scores, ties by position (lower first): :func:`selection.top_b`."""
+    return top_b(np.asarray(scores, dtype=np.float64), b)
 
 
 def _ranked(positions: np.ndarray, scores: np.ndarray) -> np.ndarray:

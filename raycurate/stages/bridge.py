@@ -15,7 +15,7 @@ from typing import Any
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
 from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
-from raycurate.stages.runtime import cluster_gpus
+from raycurate.stages.runtime import run_as_task
 
 log = logging.getLogger("raycurate")
 
@@ -70,19 +70,16 @@ def compute_direction(theta_bar_dir: str, theta_old_dir: str, validation_tokens:
 def direction_stage(run: RunDir, *, warmup_stage: str, base_stage: str, validation_stage: str, bridge_cfg: Any,
                     force: bool = False) -> dict:
     """Scoring direction v (SPEC §4) as a Ray task; writes ``bridge_direction/direction.safetensors``."""
-    import ray
-
     theta_bar = output_path(run, warmup_stage, "model")
     theta_old = output_path(run, base_stage, "model")
     validation = output_path(run, validation_stage, "tokens")
 
     def body(out: Path) -> StageOutput:
-        task = ray.remote(num_cpus=1, num_gpus=1 if cluster_gpus() >= 1 else 0)(compute_direction)
-        info = ray.get(task.remote(
-            str(theta_bar), str(theta_old), str(validation), str(out / DIRECTION_FILE),
+        info = run_as_task(
+            compute_direction, str(theta_bar), str(theta_old), str(validation), str(out / DIRECTION_FILE),
             last_layers=bridge_cfg.last_layers, lam=bridge_cfg.lam, max_rows=bridge_cfg.validation_rows,
             micro_batch=bridge_cfg.micro_batch,
-        ))
+        )
         (out / "direction.json").write_text(json.dumps(info, indent=2))
         return StageOutput(outputs={"direction": DIRECTION_FILE, "info": "direction.json"}, metrics=info)
 

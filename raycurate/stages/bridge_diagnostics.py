@@ -8,7 +8,7 @@ from typing import Any
 
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
-from raycurate.stages.runtime import cluster_gpus
+from raycurate.stages.runtime import run_as_task
 
 
 def _jsonable(value: Any) -> Any:
@@ -64,19 +64,16 @@ def run_diagnostics(model_dir: str, direction_path: str, selection_dir: str, *, 
 def diagnostics_stage(run: RunDir, *, selection_stage: str, warmup_stage: str, direction_stage_name: str,
                       bridge_cfg: Any, force: bool = False) -> dict:
     """Writes ``bridge_diagnostics/fidelity.json`` (Table 3 rows and the Fig. 2b curves)."""
-    import ray
-
     model_dir = output_path(run, warmup_stage, "model")
     direction = output_path(run, direction_stage_name, "direction")
     selection = output_path(run, selection_stage, "selection")
 
     def body(out: Path) -> StageOutput:
-        task = ray.remote(num_cpus=1, num_gpus=1 if cluster_gpus() >= 1 else 0)(run_diagnostics)
-        result = ray.get(task.remote(
-            str(model_dir), str(direction), str(selection), rows=bridge_cfg.diagnostics_rows, seed=bridge_cfg.seed,
+        result = run_as_task(
+            run_diagnostics, str(model_dir), str(direction), str(selection), rows=bridge_cfg.diagnostics_rows, seed=bridge_cfg.seed,
             rho_p=bridge_cfg.rho_p, rho_r=bridge_cfg.rho_r, rounds=bridge_cfg.rounds,
             routing_layer=bridge_cfg.routing_layer, count_fixed_response=bridge_cfg.fold_fixed_response,
-        ))
+        )
         (out / "fidelity.json").write_text(json.dumps(result, indent=2))
         summary = {f"{r['side']}_{r['proxy']}_{k}": r[k] for r in result["table"]
                    for k in ("spearman", "top_b_overlap", "jaccard", "normalized_regret")}

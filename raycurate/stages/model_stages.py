@@ -10,7 +10,7 @@ from typing import Any
 
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir, stage_hash
-from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
 
 log = logging.getLogger("raycurate")
 

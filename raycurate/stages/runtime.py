@@ -89,6 +89,14 @@ def cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0.0))
 
 
+def run_as_task(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` as one Ray task (1 CPU, plus 1 GPU when the cluster has one) and wait for it."""
+    import ray
+
+    task = ray.remote(num_cpus=1, num_gpus=1 if cluster_gpus() >= 1 else 0)(fn)
+    return ray.get(task.remote(*args, **kwargs))
+
+
 def actor_cpus(requested: float | None, num_actors: int, total_cpus: float) -> float:
     """CPUs per actor that always leave one whole CPU for Ray Data's read/write tasks.
 
