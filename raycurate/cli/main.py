@@ -135,9 +135,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"rows: input={rows.get('input')} accepted={rows.get('accepted')} rejected={rows.get('rejected')}")
         for reason, n in sorted((rows.get("rejected_by_reason") or {}).items()):
             print(f"  rejected {reason:<20} {n}")
-    print(f"{'stage':<16}{'status':<10}{'seconds':>9}  config hash")
+    width = max([len(name) for name in manifest.get("stages", {})] + [5]) + 2
+    print(f"{'stage':<{width}}{'status':<10}{'seconds':>9}  config hash")
     for name, record in manifest.get("stages", {}).items():
-        print(f"{name:<16}{record.get('status', '?'):<10}{record.get('seconds', 0):>9.1f}  "
+        print(f"{name:<{width}}{record.get('status', '?'):<10}{record.get('seconds', 0):>9.1f}  "
               f"{record.get('config_hash', '')}")
     return 0
 
