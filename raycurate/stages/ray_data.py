@@ -79,6 +79,9 @@ def map_with_actor_pool(ds: Any, udf: type, ctor_kwargs: dict, pool: PoolResourc
         "%s: %d actors x (%.2f CPU, %.2f GPU), batch %d", udf.__name__, pool.num_actors, pool.num_cpus,
         pool.num_gpus, pool.batch_size,
     )
+    # A small parquet file is read as ONE block, and a block goes to one actor: re-block to batch-sized blocks
+    # (streaming, order kept) so every actor of the pool gets work.
+    ds = ds.repartition(target_num_rows_per_block=pool.batch_size)
     return ds.map_batches(
         udf,
         fn_constructor_kwargs=ctor_kwargs,
