@@ -8,7 +8,8 @@ import pytest
 
 from raycurate.cli.main import main
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
+# Six Ray Train launches, eight evaluations and two re-runs: ~6-8 min on 2 cores, above the default 600 s.
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
 
 
 def _finished(run_dir) -> dict[str, float]:
