@@ -150,6 +150,7 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
     """
     import torch
 
+    from raycurate.algorithms.bridge import pad_rows
     from raycurate.algorithms.losses import example_losses
     from raycurate.data.answers import answers_match, equation_counts, extract_final_answer
     from raycurate.data.tokenize import is_rejection, tokenize_record
@@ -166,18 +167,9 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
     gold_losses: list[float] = []
     with torch.no_grad():
         for start in range(0, len(token_rows), batch_size):
-            chunk = token_rows[start:start + batch_size]
-            width = max(len(t["input_ids"]) for t in chunk)
-            ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            loss_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, t in enumerate(chunk):
-                n = len(t["input_ids"])
-                ids[i, :n] = torch.as_tensor(t["input_ids"])
-                mask[i, :n] = 1
-                loss_mask[i, :n] = torch.as_tensor(t["loss_mask"])
-            logits = model(input_ids=ids, attention_mask=mask).logits.float()
-            gold_losses.extend(example_losses(logits, ids, loss_mask).tolist())
+            batch = pad_rows(token_rows[start:start + batch_size], tokenizer.pad_token_id)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+            gold_losses.extend(example_losses(logits, batch["input_ids"], batch["loss_mask"]).tolist())
     results = []
     for row, gen, loss in zip(rows, generated, gold_losses):
         text = tokenizer.decode(gen, skip_special_tokens=True)
