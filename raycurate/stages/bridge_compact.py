@@ -169,7 +169,7 @@ def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stag
 
             ray.data.DataContext.get_current().execution_options.preserve_order = True
             pool = resolve_pool(pool_cfg or ActorPoolConfig(batch_size=16))
-            ds = ray.data.read_parquet(str(source), columns=[c for c in keep_cols])
+            ds = ray.data.read_parquet(str(source)).select_columns(keep_cols)
             ds = map_with_actor_pool(ds, TokenLossUDF, {
                 "base_dir": str(output_path(run, base_stage, "model")),
                 "reference_dir": str(output_path(run, warmup_stage, "model")),
