@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from raycurate.algorithms.bridge import (SelectionSettings, fixed_masks, prompt_relevance_drops,
-                                         score_and_select_rows, select_example)
+from raycurate.algorithms.bridge import (
+    SelectionSettings,
+    fixed_masks,
+    prompt_relevance_drops,
+    score_and_select_rows,
+    select_example,
+)
 
 
 def _row() -> dict:

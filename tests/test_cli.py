@@ -38,7 +38,8 @@ def test_ingest_command_accounts_for_every_row(tmp_path, capsys):
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["rows"]["input"] == 5 and manifest["rows"]["accepted"] == 2
     assert manifest["rows"]["rejected"] == 3
-    reasons = sorted(json.loads(line)["reason"] for line in (run_dir / "ingest/rejected.jsonl").read_text().splitlines())
+    lines = (run_dir / "ingest/rejected.jsonl").read_text().splitlines()
+    reasons = sorted(json.loads(line)["reason"] for line in lines)
     assert reasons == ["duplicate_id", "empty_field", "malformed_json"]
     capsys.readouterr()
     assert main(["inspect", str(run_dir)]) == 0

@@ -12,7 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from raycurate.models import loading, pretrain, tiny, tokenizer as tok_mod  # noqa: E402
+from raycurate.models import loading, pretrain, tiny  # noqa: E402
+from raycurate.models import tokenizer as tok_mod  # noqa: E402
 
 WORDS = "the a cat dog sat ran on to mat park with ball add two three numbers sum is then multiply result by".split()
 

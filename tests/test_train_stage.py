@@ -323,3 +323,23 @@ def test_deepspeed_bf16_on_gpu_trains_and_exports(ray_local, tiny_model, token_t
     model = AutoModelForCausalLM.from_pretrained(out)
     init = _weights(tiny_model)
     assert any(not torch.equal(v.float(), init[k].float()) for k, v in model.state_dict().items())
+
+
+# ------------------------------------------------------------------------------------------ adapters
+
+
+def test_lora_loop_trains_only_the_adapter_and_exports_a_merged_checkpoint(tiny_model, token_table, tmp_path):
+    cfg = TrainConfig(engine="ddp", micro_batch_size=2, effective_batch_size=4, max_steps=3, lr=5e-2,
+                      num_workers=1, seed=3, log_every_steps=1)
+    spec = {"kind": "lora", "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
+    job = SFTJob(token_table, tiny_model, str(tmp_path / "lora"), cfg, False, 1.0, adapter=spec)
+    metrics = train_loop(job, LocalSession(str(tmp_path / "ckpt")))
+
+    # 2 layers x (q: 32->32, v: 32->16) x (A: r x in + B: out x r) with r = 4
+    assert metrics["trainable_parameters"] == 2 * (4 * 32 + 32 * 4 + 4 * 32 + 16 * 4)
+    assert metrics["adapter"] == "lora"
+    merged, init = _weights(job.output_dir), _weights(tiny_model)
+    assert set(merged) == set(init)  # a plain HF checkpoint: no lora_A / lora_B keys
+    changed = {k for k in init if not torch.equal(merged[k], init[k])}
+    assert changed and all(("q_proj" in k or "v_proj" in k) for k in changed)
+    assert os.path.exists(os.path.join(job.output_dir, "adapter", "adapter_config.json"))

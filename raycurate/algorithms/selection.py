@@ -302,7 +302,7 @@ def _alternate(
     s_r = top_b(gamma, b_r)  # (r,) S_r^0 = Top gamma
     u_sur: list[float] = []
     converged, t = False, 0
-    for t in range(1, rounds + 1):
+    for t in range(1, rounds + 1):  # noqa: B007 (t is reported after the loop)
         prompt_scores = bias + beta @ s_r.astype(np.float64)  # (p,) Delta_p(. | S_r^{t-1})
         s_p = top_b(prompt_scores, b_p)
         u_sur.append(float(gamma[s_r].sum() + prompt_scores[s_p].sum()))

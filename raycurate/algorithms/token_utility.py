@@ -286,7 +286,8 @@ def token_utilities(
     the parameters named in ``direction`` become dual tensors (primal theta_bar, tangent v) swapped into the model
     with ``torch.func.functional_call``; every other tensor has no tangent, so layers before the restricted ones
     run as a plain forward.  Logits are formed only for the window of positions that predict a supervised token
-    (``logits_to_keep``), so prompt positions cost no vocabulary projection.  Sign: large positive = useful (see the module docstring).
+    (``logits_to_keep``), so prompt positions cost no vocabulary projection.  Sign: large positive = useful (see the
+    module docstring).
 
     Args:
         model: Causal LM at theta_bar, in eval mode (Llama/Qwen2/Mistral/Gemma-style ``XxxForCausalLM``).

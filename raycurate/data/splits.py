@@ -30,7 +30,7 @@ def check_ratios(ratios: dict[str, float]) -> None:
 
 def split_uniform(example_id: str, seed: int) -> float:
     """The id's stable position in [0, 1) for ``seed``."""
-    digest = hashlib.blake2b(f"{seed}:{example_id}".encode("utf-8"), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{seed}:{example_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / _SCALE
 
 

@@ -50,7 +50,7 @@ class _Reject(Exception):
 
 def content_id(prompt: str, response: str) -> str:
     """Stable id for a record without one: ``"h"`` + 16 hex digits of blake2b(prompt NUL response)."""
-    digest = hashlib.blake2b(f"{prompt}\0{response}".encode("utf-8"), digest_size=8).hexdigest()
+    digest = hashlib.blake2b(f"{prompt}\0{response}".encode(), digest_size=8).hexdigest()
     return f"h{digest}"
 
 

@@ -44,8 +44,8 @@ def run_bridge_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
     warmup_cfg = dataclasses.replace(cfg.train, epochs=bridge.warmup_epochs, max_steps=None)
     train_stage(run, "bridge_warmup", tokens_stage="bridge_warmup_rows", init_stage="base_model",
                 train_cfg=warmup_cfg, force=forced(cfg, "bridge_warmup"))
-    direction_stage(run, warmup_stage="bridge_warmup", base_stage="base_model", validation_stage="bridge_validation_rows",
-                    bridge_cfg=bridge, force=forced(cfg, "bridge_direction"))
+    direction_stage(run, warmup_stage="bridge_warmup", base_stage="base_model",
+                    validation_stage="bridge_validation_rows", bridge_cfg=bridge, force=forced(cfg, "bridge_direction"))
     select = score_select_stage(run, tokens_stage="bridge_selection_rows", warmup_stage="bridge_warmup",
                                 direction_stage_name="bridge_direction", bridge_cfg=bridge, pool_cfg=cfg.bridge_pool,
                                 force=forced(cfg, "bridge_select"))

@@ -91,7 +91,8 @@ def section_timings(run_dir: Path, manifest: dict) -> str:
     if not stages:
         return ""
     items = [(name, float(s.get("seconds", 0.0))) for name, s in stages.items()]
-    rows = [[name, s.get("status"), f"{s.get('seconds', 0):.1f}", s.get("config_hash", "")] for name, s in stages.items()]
+    rows = [[name, s.get("status"), f"{s.get('seconds', 0):.1f}", s.get("config_hash", "")]
+            for name, s in stages.items()]
     return ("<h2 id='timings'>Stage timings</h2>" + bar_chart(items, unit=" s")
             + _table(["stage", "status", "seconds", "config hash"], rows))
 

@@ -42,8 +42,13 @@ def compute_direction(theta_bar_dir: str, theta_old_dir: str, validation_tokens:
     from safetensors.torch import save_file
 
     from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.token_utility import (anchor_direction, global_norm, scoring_direction,
-                                                    scoring_parameters, validation_gradient)
+    from raycurate.algorithms.token_utility import (
+        anchor_direction,
+        global_norm,
+        scoring_direction,
+        scoring_parameters,
+        validation_gradient,
+    )
     from raycurate.models.loading import load_model, load_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

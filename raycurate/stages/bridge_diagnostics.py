@@ -70,7 +70,8 @@ def diagnostics_stage(run: RunDir, *, selection_stage: str, warmup_stage: str, d
 
     def body(out: Path) -> StageOutput:
         result = run_as_task(
-            run_diagnostics, str(model_dir), str(direction), str(selection), rows=bridge_cfg.diagnostics_rows, seed=bridge_cfg.seed,
+            run_diagnostics, str(model_dir), str(direction), str(selection), rows=bridge_cfg.diagnostics_rows,
+            seed=bridge_cfg.seed,
             rho_p=bridge_cfg.rho_p, rho_r=bridge_cfg.rho_r, rounds=bridge_cfg.rounds,
             routing_layer=bridge_cfg.routing_layer, count_fixed_response=bridge_cfg.fold_fixed_response,
         )

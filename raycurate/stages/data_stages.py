@@ -19,8 +19,7 @@ TOKEN_COLUMNS = ("input_ids", "prompt_len", "loss_mask", "weight", "prompt_offse
 def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, heldout_rows: int,
                  bad_lines: int = 0, force: bool = False) -> dict:
     """Generate the embedded benchmark corpus (+ ``bad_lines`` invalid lines) and its held-out set as jsonl."""
-    from raycurate.data.corpus import (bad_input_lines, corpus_summary, generate_corpus, generate_heldout,
-                                       write_jsonl)
+    from raycurate.data.corpus import bad_input_lines, corpus_summary, generate_corpus, generate_heldout, write_jsonl
 
     def body(out: Path) -> StageOutput:
         corpus = generate_corpus(rows, seed=seed, corrupt_fraction=corrupt_fraction)

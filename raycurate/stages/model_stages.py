@@ -53,26 +53,32 @@ def base_model_stage(run: RunDir, model_cfg: Any, *, pretrain_texts: Any, data_k
 
 
 def train_stage(run: RunDir, stage: str, *, tokens_stage: str, init_stage: str, train_cfg: Any,
-                force: bool = False) -> dict:
+                adapter: dict | None = None, extra_upstream: tuple[str, ...] = (), force: bool = False) -> dict:
     """Fine-tune ``init_stage``'s model on ``tokens_stage``'s token table with Ray Train (DeepSpeed or DDP).
 
     Ray Train checkpoints go to ``_scratch/<stage>/<config hash>``, outside the atomic stage folder, so a run
     killed mid-training resumes from its latest checkpoint when re-run with the same config.
+
+    Args:
+        adapter: Adapter spec (:mod:`raycurate.models.adapters`; LoRA, P2D head deltas) or None for full
+            fine-tuning; the output is always a merged HF checkpoint (LoRA also under ``model/adapter``).
+        extra_upstream: Stages the adapter spec was derived from (e.g. head scoring), so it re-runs with them.
     """
     from raycurate.stages.train import run_sft
 
     tokens = output_path(run, tokens_stage, "tokens")
     init_model = output_path(run, init_stage, "model")
-    upstream = [tokens_stage, init_stage]
-    digest = stage_hash(run, train_cfg, upstream)
+    upstream = [tokens_stage, init_stage, *extra_upstream]
+    config = train_cfg if adapter is None else {"train": train_cfg, "adapter": adapter}
+    digest = stage_hash(run, config, upstream)
 
     def body(out: Path) -> StageOutput:
         metrics = run_sft(str(tokens), str(init_model), str(out / "model"), train_cfg,
-                          storage_dir=str(scratch_dir(run, stage)), name=f"{stage}-{digest}")
+                          storage_dir=str(scratch_dir(run, stage)), name=f"{stage}-{digest}", adapter=adapter)
         summary = {k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}
         return StageOutput(outputs={"model": "model"}, metrics=summary)
 
-    return run_stage(run, stage, body, config=train_cfg, upstream=upstream, force=force)
+    return run_stage(run, stage, body, config=config, upstream=upstream, force=force)
 
 
 class EvaluateUDF:

@@ -41,7 +41,8 @@ class PoolResources:
     batch_size: int
 
 
-def resolve_pool(cfg: ActorPoolConfig, total_cpus: float | None = None, total_gpus: float | None = None) -> PoolResources:
+def resolve_pool(cfg: ActorPoolConfig, total_cpus: float | None = None,
+                 total_gpus: float | None = None) -> PoolResources:
     """Turn a pool config into concrete per-actor resources for the current cluster.
 
     Args:

@@ -522,6 +522,7 @@ class SFTJob:
     cfg: TrainConfig
     use_gpu: bool
     cpus_per_worker: float
+    adapter: dict | None = None  # raycurate.models.adapters spec; None trains every parameter
 
 
 def _use_bf16(cfg: TrainConfig, device: Any) -> bool:
@@ -578,11 +579,26 @@ def _copy_tokenizer_files(init_model: str, dest: str) -> list[str]:
     return copied
 
 
+def _save_merged(job: SFTJob, state_dict: dict[str, Any], dest: str) -> None:
+    """Rebuild the adapted model on CPU from ``init_model``, load the trained state, save adapter + merged model."""
+    import torch
+
+    from raycurate.models.adapters import apply_adapter, export_model, save_adapter
+
+    model = apply_adapter(load_model(job.init_model, torch.float32), job.adapter)
+    model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    save_adapter(model, job.adapter, os.path.join(dest, "adapter"))
+    export_model(model, job.adapter).save_pretrained(dest)
+
+
 def export_hf(engine: Any, job: SFTJob, metrics: dict[str, Any], rank: int) -> None:
     """Write the trained model (safetensors), tokenizer files and metrics to ``job.output_dir`` atomically.
 
-    Collective (ZeRO-3 gathers parameters); only rank 0 writes.
+    Collective (ZeRO-3 gathers parameters); only rank 0 writes.  With an adapter the checkpoint is the merged
+    model (a plain HF checkpoint), and a LoRA adapter is also saved alone under ``adapter/``.
     """
+    from raycurate.models.adapters import adapter_kind
+
     state_dict = engine.full_state_dict()
     if rank != 0:
         return
@@ -590,7 +606,10 @@ def export_hf(engine: Any, job: SFTJob, metrics: dict[str, Any], rank: int) -> N
     parent = os.path.dirname(output_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.tmp-", dir=parent)
-    engine.module.save_pretrained(tmp, state_dict=state_dict)
+    if adapter_kind(job.adapter) == "full":
+        engine.module.save_pretrained(tmp, state_dict=state_dict)
+    else:
+        _save_merged(job, state_dict, tmp)
     _copy_tokenizer_files(job.init_model, tmp)
     with open(os.path.join(tmp, METRICS_FILE), "w") as f:
         json.dump(metrics, f, indent=1)
@@ -604,7 +623,9 @@ def export_hf(engine: Any, job: SFTJob, metrics: dict[str, Any], rank: int) -> N
 
 
 def _metrics(job: SFTJob, state: TrainState, start_step: int, run_steps: int, per_epoch: int,
-             world: int, seconds_this_run: float) -> dict[str, Any]:
+             world: int, seconds_this_run: float, trainable: int) -> dict[str, Any]:
+    from raycurate.models.adapters import adapter_kind
+
     return {
         "step": state.step,
         "steps": state.step,
@@ -623,6 +644,8 @@ def _metrics(job: SFTJob, state: TrainState, start_step: int, run_steps: int, pe
         "engine": job.cfg.engine,
         "zero_stage": job.cfg.zero_stage if job.cfg.engine == "deepspeed" else None,
         "world_size": world,
+        "adapter": adapter_kind(job.adapter),
+        "trainable_parameters": trainable,
     }
 
 
@@ -647,14 +670,18 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
     run_steps = total_steps(len(table), cfg)
     bf16 = _use_bf16(cfg, device)
     load_dtype = torch.bfloat16 if bf16 and cfg.engine == "deepspeed" and device.type == "cuda" else torch.float32
-    model = load_model(job.init_model, load_dtype)
+    from raycurate.models.adapters import apply_adapter, trainable_parameters
+
+    model = apply_adapter(load_model(job.init_model, load_dtype), job.adapter)
+    trainable = trainable_parameters(model)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     engine = build_engine(model, cfg, run_steps, device, bf16)
     state = _restore(engine, session)
     start_step, started = state.step, time.perf_counter()
     if session.rank == 0:
-        logger.info("SFT: %d rows, %d steps/epoch, steps %d -> %d, accum %d, world %d, engine %s",
-                    len(table), per_epoch, start_step, run_steps, accum, session.world_size, cfg.engine)
+        logger.info("SFT: %d rows, %d steps/epoch, steps %d -> %d, accum %d, world %d, engine %s, %d trainable "
+                    "parameters", len(table), per_epoch, start_step, run_steps, accum, session.world_size, cfg.engine,
+                    trainable)
 
     schedule, schedule_epoch = None, -1
     for step in range(start_step, run_steps):
@@ -683,11 +710,11 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
                         state.lr_per_step[-1])
         if _should_checkpoint(state.step, run_steps, per_epoch, cfg.checkpoint_every_steps):
             metrics = _metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
-                               time.perf_counter() - started)
+                               time.perf_counter() - started, trainable)
             _save_checkpoint(engine, session, state, metrics)
 
     metrics = _metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
-                       time.perf_counter() - started)
+                       time.perf_counter() - started, trainable)
     export_hf(engine, job, metrics, session.rank)
     session.report(metrics, None)
     return metrics
@@ -717,7 +744,7 @@ def _worker_env(use_gpu: bool) -> dict[str, str]:
 
 
 def run_sft(train_table: str, init_model: str, output_dir: str, cfg: TrainConfig, *,
-            storage_dir: str, name: str) -> dict[str, Any]:
+            storage_dir: str, name: str, adapter: dict | None = None) -> dict[str, Any]:
     """Fine-tune ``init_model`` on a token-level table with Ray Train; resumes ``storage_dir/name`` if it exists.
 
     Args:
@@ -728,6 +755,7 @@ def run_sft(train_table: str, init_model: str, output_dir: str, cfg: TrainConfig
         storage_dir: Ray Train storage (checkpoints); re-running with the same ``storage_dir`` and ``name``
             resumes from the latest checkpoint there.
         name: Ray Train run name.
+        adapter: Adapter spec (:mod:`raycurate.models.adapters`): LoRA, P2D head deltas, or None (full).
 
     Returns:
         The metrics of ``train_metrics.json``: ``loss_per_step``, ``steps``, ``start_step``, ``tokens``,
@@ -748,7 +776,7 @@ def run_sft(train_table: str, init_model: str, output_dir: str, cfg: TrainConfig
     if use_gpu:
         resources["GPU"] = 1
     job = SFTJob(os.path.abspath(train_table), os.path.abspath(init_model), os.path.abspath(output_dir),
-                 cfg, use_gpu, cpus)
+                 cfg, use_gpu, cpus, adapter)
     trainer = TorchTrainer(
         _ray_worker_entry,
         train_loop_config={"job": job},
