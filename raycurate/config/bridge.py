@@ -31,6 +31,7 @@ class BridgeConfig:
     micro_batch: int = option(8, "Examples per forward JVP / attention pass inside a scoring actor.")
     diagnostics_rows: int = option(200, "Examples in the fidelity diagnostics sample (0 disables).")
     baselines: list[str] = option(
-        ["random"], "Token-selection baselines trained at matched budgets.",
+        ["random"], "Token-selection baselines trained at matched budgets: random, rho1 (excess loss), "
+        "token_cleaning, independent / sequential (surprisal prompt selector + Token Cleaning, App. D.1).",
     )
     seed: int = option(0, "Seed of the random baseline and the diagnostics sample.")

@@ -71,7 +71,7 @@ def compact_stage(run: RunDir, stage: str, *, selection_stage: str, mask_prefix:
     return run_stage(run, stage, body, config={"prefix": mask_prefix}, upstream=[selection_stage], force=force)
 
 
-BASELINES = ("random", "token_cleaning")
+BASELINES = ("random", "rho1", "token_cleaning", "independent", "sequential")
 
 
 def random_baseline_columns(rows: list[dict], bridge_cfg: Any) -> dict[str, list]:
@@ -91,9 +91,9 @@ def random_baseline_columns(rows: list[dict], bridge_cfg: Any) -> dict[str, list
 
 
 class TokenLossUDF:
-    """Ray Data actor: per-token losses of the base model and the reference (warmup) model -> Token Cleaning masks."""
+    """Ray Data actor: per-token losses of the base and reference (warmup) models -> masks of a loss-based baseline."""
 
-    def __init__(self, base_dir: str, reference_dir: str, rho_p: float, rho_r: float, threads: int):
+    def __init__(self, base_dir: str, reference_dir: str, method: str, rho_p: float, rho_r: float, threads: int):
         import torch
 
         from raycurate.models.loading import load_model, load_tokenizer
@@ -102,43 +102,105 @@ class TokenLossUDF:
         self.base = load_model(base_dir, dtype="float32").eval()
         self.reference = load_model(reference_dir, dtype="float32").eval()
         self.pad_id = load_tokenizer(base_dir).pad_token_id or 0
-        self.rho_p, self.rho_r = rho_p, rho_r
+        self.method, self.rho_p, self.rho_r = method, rho_p, rho_r
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
 
         rows = batch.select(["input_ids", "prompt_len", "loss_mask", "prompt_offsets", "response_offsets"]).to_pylist()
-        columns = token_cleaning_columns(self.base, self.reference, rows, self.rho_p, self.rho_r, self.pad_id)
+        columns = loss_baseline_columns(self.method, self.base, self.reference, rows, self.rho_p, self.rho_r,
+                                        self.pad_id)
         out = batch
         for name, values in columns.items():
-            out = out.append_column(f"token_cleaning_{name}", pa.array(values, type=pa.list_(pa.int8())))
+            out = out.append_column(f"{self.method}_{name}", pa.array(values, type=pa.list_(pa.int8())))
         return out
 
 
-def token_cleaning_columns(base: Any, reference: Any, rows: list[dict], rho_p: float, rho_r: float,
-                           pad_id: int) -> dict[str, list]:
-    """Token Cleaning masks: response tokens ranked by excess loss (base - reference), one-sided matched budget."""
+def row_token_losses(models: dict[str, Any], rows: list[dict], pad_id: int, *, whole_row: bool = False) -> dict:
+    """Per-position next-token losses of each model on a padded batch of token rows.
+
+    Args:
+        models: name -> causal LM.
+        rows: token rows (``input_ids``, ``loss_mask``).
+        pad_id: padding token id.
+        whole_row: score every position (prompt included, for surprisal) instead of the row's loss mask.
+
+    Returns:
+        name -> (B, T) float tensor (0 at unscored positions).
+    """
     import torch
 
-    from raycurate.algorithms.bridge import fixed_masks, pad_rows
+    from raycurate.algorithms.bridge import pad_rows
     from raycurate.algorithms.losses import token_losses
-    from raycurate.algorithms.token_baselines import response_scores, token_cleaning_masks
 
     batch = pad_rows(rows, pad_id)
+    mask = batch["attention_mask"] if whole_row else batch["loss_mask"]
     with torch.no_grad():
-        losses = {name: token_losses(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-                                     .logits.float(), batch["input_ids"], batch["loss_mask"])
-                  for name, model in (("base", base), ("reference", reference))}
+        return {name: token_losses(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                                   .logits.float(), batch["input_ids"], mask)
+                for name, model in models.items()}
+
+
+def loss_baseline_columns(method: str, base: Any, reference: Any, rows: list[dict], rho_p: float, rho_r: float,
+                          pad_id: int) -> dict[str, list]:
+    """Masks of a loss-based token baseline (SPEC §7, paper App. B.2, D.1) for a batch of token rows.
+
+    * ``rho1`` / ``token_cleaning``: response tokens ranked by excess loss (base - reference) / by negated token
+      influence, prompt intact, at the one-sided matched budget of App. B.2.
+    * ``independent``: prompt tokens by base-model surprisal (the offline LLMLingua stand-in, see
+      :mod:`raycurate.algorithms.token_baselines`) and response tokens by Token Cleaning scores, both on the full
+      example, at BRIDGE's per-side budgets ("LLM+TC (Ind.)").
+    * ``sequential``: the same prompt selection first, then Token Cleaning scores recomputed on the compacted row
+      ("LLM -> TC (Seq.)").
+
+    Returns:
+        ``{"prompt_keep": [...], "loss_mask": [...]}`` int8 lists per row.
+    """
+    from raycurate.algorithms import token_baselines as tb
+    from raycurate.algorithms.bridge import fixed_masks
+
+    models = {"base": base, "reference": reference}
+    losses = row_token_losses(models, rows, pad_id)
+    surprisal = row_token_losses({"base": base}, rows, pad_id, whole_row=True)["base"] if method in (
+        "independent", "sequential") else None
     keep, loss = [], []
     for i, r in enumerate(rows):
         n, p = len(r["input_ids"]), int(r["prompt_len"])
         fixed_p, fixed_r = fixed_masks(p, n, r["prompt_offsets"], r["response_offsets"])
-        scores = response_scores("token_cleaning", losses["base"][i, :n].numpy(), losses["reference"][i, :n].numpy())
-        masks = token_cleaning_masks(scores, p, rho_r, budget="matched", rho_p=rho_p, has_bos=bool(fixed_p[0]),
-                                     fixed_prompt_mask=fixed_p, fixed_response_mask=fixed_r)
+        layout = {"has_bos": bool(fixed_p[0]), "fixed_prompt_mask": fixed_p, "fixed_response_mask": fixed_r}
+        if method in ("rho1", "token_cleaning"):
+            scores = tb.response_scores(method, losses["base"][i, :n].numpy(), losses["reference"][i, :n].numpy())
+            masks = tb.token_cleaning_masks(scores, p, rho_r, budget="matched", rho_p=rho_p, **layout)
+        else:
+            prompt_scores = tb.surprisal_prompt_scores(surprisal[i, :n].numpy(), p)
+            if method == "independent":
+                scores = tb.response_scores("token_cleaning", losses["base"][i, :n].numpy(),
+                                            losses["reference"][i, :n].numpy())
+                masks = tb.independent_composition(prompt_scores, scores, n, rho_p, rho_r, **layout)
+            else:
+                masks = tb.sequential_composition(prompt_scores, _compacted_rescorer(models, r, pad_id), n, rho_p,
+                                                  rho_r, **layout)
         keep.append(masks.prompt_keep.astype("int8").tolist())
         loss.append(masks.loss_mask.astype("int8").tolist())
     return {"prompt_keep": keep, "loss_mask": loss}
+
+
+def _compacted_rescorer(models: dict[str, Any], row: dict, pad_id: int) -> Any:
+    """``prompt_keep -> Token Cleaning scores`` of ``row`` recomputed with only the kept prompt tokens in context."""
+    import numpy as np
+
+    from raycurate.algorithms.compaction import compact_example
+    from raycurate.algorithms.token_baselines import response_scores
+
+    def rescore(prompt_keep: np.ndarray) -> np.ndarray:
+        n = len(row["input_ids"])
+        compact = compact_example(row["input_ids"], int(row["prompt_len"]), prompt_keep, np.asarray(
+            row["loss_mask"], dtype=bool) | (np.arange(n) >= int(row["prompt_len"])))
+        losses = row_token_losses(models, [compact], pad_id)
+        m = len(compact["input_ids"])
+        return response_scores("token_cleaning", losses["base"][0, :m].numpy(), losses["reference"][0, :m].numpy())
+
+    return rescore
 
 
 def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stage: str, warmup_stage: str,
@@ -172,7 +234,7 @@ def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stag
             ds = ray.data.read_parquet(str(source)).select_columns(keep_cols)
             ds = map_with_actor_pool(ds, TokenLossUDF, {
                 "base_dir": str(output_path(run, base_stage, "model")),
-                "reference_dir": str(output_path(run, warmup_stage, "model")),
+                "reference_dir": str(output_path(run, warmup_stage, "model")), "method": method,
                 "rho_p": bridge_cfg.rho_p, "rho_r": bridge_cfg.rho_r, "threads": max(1, int(round(pool.num_cpus))),
             }, pool)
             ds.write_parquet(str(out / "masks"))

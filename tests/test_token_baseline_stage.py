@@ -1,0 +1,80 @@
+"""Loss-based token baselines as the pipeline runs them: RHO-1, Token Cleaning, Independent and Sequential."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from raycurate.algorithms.selection import budgets
+from raycurate.stages.bridge_compact import loss_baseline_columns
+
+
+def _rows() -> list[dict]:
+    # [BOS] p1..p4 | r1..r4 [EOS] with distinct tokens so the models' losses differ per position.
+    rows = []
+    for k in range(2):
+        rows.append({
+            "input_ids": [1, 10 + k, 11, 12, 13, 20, 21 + k, 22, 23, 2],
+            "prompt_len": 5,
+            "loss_mask": [0] * 5 + [1] * 5,
+            "prompt_offsets": [-1, -1, 0, 2, 3, 5, 6, 8, 9, 11],
+            "response_offsets": [0, 1, 2, 3, 4, 6, 7, 13, -1, -1],
+        })
+    return rows
+
+
+def _model(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _model(0), _model(1)
+
+
+@pytest.mark.parametrize("method", ["independent", "sequential"])
+def test_two_sided_compositions_meet_bridge_budgets(models, method):
+    base, reference = models
+    cols = loss_baseline_columns(method, base, reference, _rows(), rho_p=0.5, rho_r=0.5, pad_id=0)
+    b_p, b_r = budgets(4, 4, 0.5, 0.5)  # 4 eligible prompt tokens (BOS fixed), 4 eligible response (EOS fixed)
+    for keep, loss in zip(cols["prompt_keep"], cols["loss_mask"]):
+        assert keep[0] == 1 and sum(keep[1:]) == b_p
+        assert sum(loss[:5]) == 0 and loss[-1] == 1 and sum(loss[5:9]) == b_r
+
+
+@pytest.mark.parametrize("method", ["rho1", "token_cleaning"])
+def test_one_sided_baselines_keep_the_prompt_and_match_the_combined_budget(models, method):
+    base, reference = models
+    cols = loss_baseline_columns(method, base, reference, _rows(), rho_p=0.5, rho_r=0.5, pad_id=0)
+    for keep, loss in zip(cols["prompt_keep"], cols["loss_mask"]):
+        assert all(keep)  # prompt intact
+        assert sum(loss[5:9]) == 0  # B = 2 + 2 = 4 total, all 4 prompt tokens kept -> nothing left for the response
+        assert loss[-1] == 1
+
+
+def test_rho1_ranks_response_tokens_by_excess_loss(models):
+    from raycurate.stages.bridge_compact import row_token_losses
+
+    base, reference = models
+    rows = _rows()
+    cols = loss_baseline_columns("rho1", base, reference, rows, rho_p=0.5, rho_r=1.0, pad_id=0)
+    losses = row_token_losses({"base": base, "reference": reference}, rows, 0)
+    # rho_r = 1 with rho_p = 0.5: B = 2 + 4 = 6, prompt keeps 4 -> 2 response tokens, the top-2 excess loss
+    excess = (losses["base"][0] - losses["reference"][0]).numpy()[5:9]
+    chosen = np.flatnonzero(np.asarray(cols["loss_mask"][0][5:9]))
+    assert sorted(chosen.tolist()) == sorted(np.argsort(-excess, kind="stable")[:2].tolist())
+
+
+def test_sequential_rescores_under_the_compacted_prompt(models):
+    base, reference = models
+    rows = _rows()
+    seq = loss_baseline_columns("sequential", base, reference, rows, rho_p=0.25, rho_r=0.5, pad_id=0)
+    ind = loss_baseline_columns("independent", base, reference, rows, rho_p=0.25, rho_r=0.5, pad_id=0)
+    assert seq["prompt_keep"] == ind["prompt_keep"]  # same prompt selector, chosen first
+    again = loss_baseline_columns("sequential", base, reference, rows, rho_p=0.25, rho_r=0.5, pad_id=0)
+    assert again == seq
