@@ -63,12 +63,33 @@ def test_config_hash_tracks_values():
 
 
 def shipped_yaml_files() -> list[Path]:
-    return sorted([*ROOT.glob("jobs/*.yaml"), *ROOT.glob("tune/*.yaml"), ROOT / "raycurate/config/demo.yaml"])
+    return sorted([*ROOT.glob("jobs/*.yaml"), ROOT / "raycurate/config/demo.yaml"])
 
 
 @pytest.mark.parametrize("path", shipped_yaml_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_shipped_yaml_validates(path):
     load_config(JobConfig, path)
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("tune/*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shipped_sweep_validates_against_its_job(path):
+    from raycurate.config.sweep import load_sweep
+
+    sweep = load_sweep(path)
+    assert sweep.params
+
+
+def test_sweep_errors_name_the_bad_key(tmp_path):
+    from raycurate.config.loader import ConfigError
+    from raycurate.config.sweep import load_sweep
+
+    path = tmp_path / "tune" / "bad.yaml"
+    path.parent.mkdir()
+    path.write_text(f"job: {ROOT / 'jobs/bridge_demo.yaml'}\nparams:\n  bridge.rho_q: {{grid: [0.5]}}\n"
+                    "  bridge.lam: {uniform: [0.0, 0.5]}\n")
+    with pytest.raises(ConfigError) as err:
+        load_sweep(path)
+    assert "params.bridge.rho_q" in str(err.value) and "needs search: random" in str(err.value)
 
 
 def test_packaged_demo_job_equals_jobs_demo():

@@ -6,6 +6,7 @@ Examples::
     raycurate run jobs/demo.yaml train.lr=5e-4       # any job with key=value overrides
     raycurate ingest --input data.jsonl --out runs/mydata
     raycurate train --data data.jsonl --model /ckpt/llama --out runs/sft
+    raycurate tune tune/bridge_budgets.yaml          # Ray Tune sweep; trials share the stage cache
     raycurate inspect runs/demo
     raycurate report runs/demo
 """
@@ -87,6 +88,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from raycurate.config.sweep import load_sweep
+    from raycurate.pipelines.sweep import run_sweep
+
+    sweep_file = Path(args.sweep)
+    if not sweep_file.exists():
+        raise FileNotFoundError(f"sweep file {sweep_file} does not exist; see tune/*.yaml for examples")
+    section = run_sweep(load_sweep(sweep_file, args.overrides), sweep_file)
+    print(f"trials: {section['trials']} ({section['finished']} finished), metric {section['metric']} "
+          f"({section['mode']})")
+    for row in section["rows"]:
+        params = " ".join(f"{k.removeprefix('param.')}={v}" for k, v in row.items() if k.startswith("param."))
+        print(f"  trial {row['trial']}: {params} -> {row['metric']} ({row['status']}, rung {row['rung']})")
+    if section.get("best_config"):
+        print(f"best config: {section['run_dir']}/{section['best_config']}")
+    print(f"results: {section['run_dir']}/{section['results']}")
+    return 0
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from raycurate.config.data import DataConfig
     from raycurate.rundir import RunDir
@@ -159,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
     p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("tune", help="Ray Tune sweep over job config keys (tune/*.yaml)")
+    p.add_argument("sweep", help="sweep YAML, e.g. tune/bridge_budgets.yaml")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the sweep file, e.g. num_samples=4")
+    p.set_defaults(fn=cmd_tune)
 
     p = sub.add_parser("ingest", help="validate input files into accepted parquet + rejected.jsonl")
     p.add_argument("--input", action="append", required=True, help="jsonl / parquet / HF save_to_disk path "

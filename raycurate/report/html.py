@@ -1,17 +1,19 @@
 """A self-contained HTML report of a run (inline CSS and SVG; no scripts, no network).
 
-Sections: run summary, row accounting, stage timings, held-out results, corpus composition.  Later pipelines
-add their own sections through :data:`SECTIONS`.
+Sections: run summary, row accounting, stage timings, held-out results, lm-eval, BRIDGE token views, P2D heads,
+bilevel weights, Tune results, corpus composition (:data:`SECTIONS`; the pipeline sections live in
+:mod:`raycurate.report.sections`).
 """
 
 from __future__ import annotations
 
-import html
 import json
 import time
 from pathlib import Path
 from typing import Callable
 
+from raycurate.report.charts import bar_chart, esc, table
+from raycurate.report.sections import section_bilevel, section_lm_eval, section_p2d, section_tune
 from raycurate.rundir import atomic_write_text
 
 CSS = """
@@ -26,39 +28,8 @@ th{background:#f3f5f9}td:first-child,th:first-child{text-align:left}.muted{color
 """
 
 
-def _esc(value: object) -> str:
-    return html.escape(str(value))
-
-
-def _table(header: list[str], rows: list[list[object]]) -> str:
-    head = "".join(f"<th>{_esc(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def bar_chart(items: list[tuple[str, float]], *, unit: str = "", width: int = 640, color: str = "#4a78c2") -> str:
-    """Horizontal bar chart as inline SVG.
-
-    Args:
-        items: (label, value) pairs, drawn top to bottom.
-        unit: Suffix printed after each value.
-        width: Total width in pixels.
-        color: Bar colour.
-    """
-    if not items:
-        return "<p class='muted'>nothing to plot</p>"
-    label_w, row_h = 160, 22
-    top = max(v for _, v in items) or 1.0
-    bars = []
-    for i, (label, value) in enumerate(items):
-        y = i * row_h
-        w = max(1.0, (width - label_w - 90) * value / top)
-        bars.append(
-            f"<text x='0' y='{y + 15}'>{_esc(label)}</text>"
-            f"<rect x='{label_w}' y='{y + 3}' width='{w:.1f}' height='{row_h - 6}' fill='{color}'/>"
-            f"<text x='{label_w + w + 6:.1f}' y='{y + 15}'>{value:.3g}{_esc(unit)}</text>"
-        )
-    return f"<svg width='{width}' height='{len(items) * row_h}' role='img'>{''.join(bars)}</svg>"
+_esc = esc
+_table = table
 
 
 def section_summary(run_dir: Path, manifest: dict) -> str:
@@ -199,7 +170,8 @@ def section_bridge(run_dir: Path, manifest: dict) -> str:
 
 
 SECTIONS: list[Callable[[Path, dict], str]] = [
-    section_summary, section_rows, section_timings, section_results, section_bridge, section_corpus,
+    section_summary, section_rows, section_timings, section_results, section_lm_eval, section_bridge, section_p2d,
+    section_bilevel, section_tune, section_corpus,
 ]
 
 

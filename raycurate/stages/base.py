@@ -89,8 +89,11 @@ def run_stage(
         assert record is not None
         return record
     log.info("stage %-14s running", stage)
+    previous = run.stage_record(stage) or {}
+    executions = int(previous.get("executions", 0)) + 1  # how often this stage actually ran in this run directory
     started = time.time()
-    run.record_stage(stage, {"status": "running", "config_hash": digest, "upstream": upstream, "started": started})
+    run.record_stage(stage, {"status": "running", "config_hash": digest, "upstream": upstream, "started": started,
+                             "executions": executions - 1})
     try:
         with atomic_dir(run.stage_dir(stage)) as tmp:
             result = fn(tmp)
@@ -106,6 +109,7 @@ def run_stage(
                 "upstream": upstream,
                 "seconds": round(time.time() - started, 3),
                 "error": f"{type(exc).__name__}: {exc}",
+                "executions": executions - 1,
                 "traceback": traceback.format_exc(limit=8),
             },
         )
@@ -120,6 +124,7 @@ def run_stage(
         "outputs": {k: f"{stage}/{v}" for k, v in result.outputs.items()},
         "metrics": result.metrics,
         "finished": time.time(),
+        "executions": executions,
     }
     run.record_stage(stage, record)
     log.info("stage %-14s done in %.1f s", stage, seconds)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -70,11 +71,13 @@ def train_stage(run: RunDir, stage: str, *, tokens_stage: str, init_stage: str, 
     init_model = output_path(run, init_stage, "model")
     upstream = [tokens_stage, init_stage, *extra_upstream]
     config = train_cfg if adapter is None else {"train": train_cfg, "adapter": adapter}
-    digest = stage_hash(run, config, upstream)
+    # The checkpoint folder ignores max_steps, so raising it (e.g. the next ASHA rung) extends the saved run.
+    resume_key = stage_hash(run, {"train": dataclasses.replace(train_cfg, max_steps=None), "adapter": adapter},
+                            upstream)
 
     def body(out: Path) -> StageOutput:
         metrics = run_sft(str(tokens), str(init_model), str(out / "model"), train_cfg,
-                          storage_dir=str(scratch_dir(run, stage)), name=f"{stage}-{digest}", adapter=adapter)
+                          storage_dir=str(scratch_dir(run, stage)), name=f"{stage}-{resume_key}", adapter=adapter)
         summary = {k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}
         return StageOutput(outputs={"model": "model"}, metrics=summary)
 

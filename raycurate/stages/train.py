@@ -677,6 +677,9 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     engine = build_engine(model, cfg, run_steps, device, bf16)
     state = _restore(engine, session)
+    if state.step > run_steps:
+        raise ValueError(f"the checkpoint being resumed is at step {state.step}, beyond this run's {run_steps} steps; "
+                         "raise train.max_steps, or delete the stage's _scratch folder to train from scratch")
     start_step, started = state.step, time.perf_counter()
     if session.rank == 0:
         logger.info("SFT: %d rows, %d steps/epoch, steps %d -> %d, accum %d, world %d, engine %s, %d trainable "

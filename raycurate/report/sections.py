@@ -1,0 +1,124 @@
+"""Report sections of the P2D, bilevel, evaluation and Tune parts of a run (empty when they did not run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from raycurate.report.charts import esc, heatmap, histogram, scatter, table
+
+
+def _stage(manifest: dict, name: str) -> dict:
+    return (manifest.get("stages") or {}).get(name) or {}
+
+
+def section_p2d(run_dir: Path, manifest: dict) -> str:
+    """Head heatmap with the selected heads, selection precision, AER (paper Table 2 style)."""
+    heads_rec = _stage(manifest, "p2d_heads")
+    if heads_rec.get("status") != "done":
+        return ""
+    parts = ["<h2 id='p2d'>P2D: heads and examples</h2>"]
+    heads_path = run_dir / heads_rec["outputs"]["heads"]
+    if heads_path.exists():
+        data = json.loads(heads_path.read_text())
+        grid = [[0.0] * data["n_heads"] for _ in range(data["n_layers"])]
+        marked = set()
+        for h in data["heads"]:
+            grid[h["layer"]][h["head"]] = h["score"]
+            if h["selected"]:
+                marked.add((h["layer"], h["head"]))
+        parts.append(f"<p>Head sensitivity ({esc(data['method'])}, tau={data['tau']}) between the base model and the "
+                     f"proxy; outlined: the {len(marked)} selected heads (rho_P={data['ratio']}).</p>")
+        parts.append(heatmap(grid, row_label="layer", col_label="head", marked=marked))
+    select = _stage(manifest, "p2d_select").get("metrics") or {}
+    if select:
+        rows = [[k, "" if select.get(k) is None else f"{select[k]:.3f}"] for k in
+                ("precision_selected", "precision_random", "precision_pool")]
+        parts.append(f"<p>Selected {select.get('selected')} of {select.get('pool')} pool examples; precision = share "
+                     "of clean (uncorrupted) rows.</p>" + table(["set", "precision"], rows))
+    aer = (manifest.get("p2d") or {}).get("aer")
+    if aer:
+        parts.append("<p>AER = (selection + adaptation) / full SFT, from stage timings.</p>" + table(
+            ["selection s", "adaptation s", "full SFT s", "AER"],
+            [[f"{aer['selection_seconds']:.1f}", f"{aer['adaptation_seconds']:.1f}",
+              f"{aer['full_sft_seconds']:.1f}", f"{aer['aer']:.3f}"]]))
+    return "".join(parts)
+
+
+def section_bilevel(run_dir: Path, manifest: dict) -> str:
+    """BDS weight histograms split by ground-truth label, AUROC, top/bottom questions, generated responses."""
+    bilevel = manifest.get("bilevel") or {}
+    if not bilevel:
+        return ""
+    parts = ["<h2 id='bilevel'>Bilevel data weights</h2>"]
+    for method, info in (bilevel.get("methods") or {}).items():
+        hist = info.get("weights_by_label")
+        if hist:
+            auroc = info.get("auroc")
+            parts.append(f"<h3>{esc(method)}</h3><p>sigma(omega) after training by ground-truth label"
+                         + (f"; AUROC clean vs corrupted = {auroc:.3f}" if auroc is not None else "") + ".</p>")
+            parts.append(histogram(hist))
+        for key, title in (("top", "highest-weighted"), ("bottom", "lowest-weighted")):
+            rows = info.get(key) or []
+            if rows:
+                parts.append(f"<p>{title} questions</p>" + table(
+                    ["id", "sigma", "clean", "corruption"],
+                    [[r.get("id"), f"{r.get('sigma', 0):.3f}", r.get("clean"), r.get("corruption", "")]
+                     for r in rows]))
+        gens = info.get("generations") or []
+        if gens:
+            parts.append("<p>original vs generated responses</p>" + table(
+                ["question", "original", "generated", "importance weight"],
+                [[g.get("question_id"), g.get("original", "")[:200], g.get("generated", "")[:200],
+                  f"{g.get('weight', 0):.3f}"] for g in gens]))
+    losses = bilevel.get("losses")
+    if losses:
+        parts.append("<p>upper-level (validation) and lower-level (training) losses</p>" + table(
+            ["method", "validation loss", "training loss"],
+            [[m, f"{v.get('validation_loss', float('nan')):.4f}", f"{v.get('train_loss', float('nan')):.4f}"]
+             for m, v in losses.items()]))
+    return "".join(parts)
+
+
+def section_lm_eval(run_dir: Path, manifest: dict) -> str:
+    """lm-eval results per model and task, with the BRIDGE paper's General / Overall averages when present."""
+    results = (manifest.get("results") or {}).get("lm_eval") or {}
+    if not results:
+        return ""
+    tasks = sorted({t for r in results.values() for t in (r.get("tasks") or {})})
+    rows = []
+    for model, r in results.items():
+        scores = r.get("tasks") or {}
+        rows.append([model, *(_fmt(scores.get(t)) for t in tasks), _fmt(r.get("general_avg")),
+                     _fmt(r.get("overall_avg"))])
+    return ("<h2 id='lm_eval'>lm-eval</h2>"
+            + table(["model", *tasks, "General Avg", "Overall Avg"], rows))
+
+
+def _fmt(value: object) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else ""
+
+
+def section_tune(run_dir: Path, manifest: dict) -> str:
+    """Tune results table and metric-vs-parameter plots."""
+    tune = manifest.get("tune")
+    if not tune:
+        return ""
+    rows = tune.get("rows") or []
+    params = [f"param.{p}" for p in tune.get("params", [])]
+    parts = [f"<h2 id='tune'>Ray Tune sweep: {esc(tune['name'])}</h2>",
+             f"<p>{tune['trials']} trials ({tune['finished']} finished), {esc(tune['search'])} search, scheduler "
+             f"{esc(tune['scheduler'])}; metric <code>{esc(tune['metric'])}</code> ({esc(tune['mode'])}).</p>",
+             table(["trial", *[p.removeprefix("param.") for p in params], "metric", "rung", "status"],
+                   [[r.get("trial"), *(r.get(p) for p in params), _fmt(r.get("metric")), r.get("rung"),
+                     r.get("status")] for r in rows])]
+    for p in params:
+        points = [(r[p], r["metric"]) for r in rows if isinstance(r.get(p), (int, float)) and r.get("metric")
+                  is not None]
+        if points:
+            parts.append(scatter(points, x_label=p.removeprefix("param."), y_label="metric"))
+    best = tune.get("best")
+    if best:
+        parts.append(f"<p>Best trial {best['trial']}: metric {best['metric']:.4g}; config "
+                     f"<code>{esc(tune.get('best_config', ''))}</code>.</p>")
+    return "".join(parts)

@@ -1,0 +1,95 @@
+"""Ray Tune mechanics for ``raycurate tune``: search space, scheduler, the Tuner, and the trial results.
+
+The trial body is injected by the caller (``raycurate.pipelines.sweep``), so this module never imports a pipeline.
+Decisions (Ray 2.60, Train V2):
+
+* The trainable is a *function* that runs a whole pipeline; a ``TorchTrainer`` is never handed to the Tuner (Train
+  V2 rejects it).  The trial's own process reserves only ``trial_cpus`` (0.01 by default): every stage inside it
+  (Ray Data pools, Ray Train workers) reserves its own resources from the same cluster.
+* Trials run one at a time (``max_concurrent_trials=1``) in one shared run directory, so each trial re-runs only the
+  stages whose config its parameters change and reuses everything upstream from the cache.
+* ASHA: a trial reports once per rung; rung k trains the final models to k x ``rung_steps`` steps (the training
+  stage extends the previous rung's checkpoint), evaluates, and reports ``rung = k``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+
+def search_space(params: dict[str, dict]) -> dict[str, Any]:
+    """Tune's ``param_space`` for ``{key: {grid|choice|uniform|loguniform|randint: values}}``."""
+    from ray import tune
+
+    builders: dict[str, Callable[[list], Any]] = {
+        "grid": tune.grid_search,
+        "choice": tune.choice,
+        "uniform": lambda v: tune.uniform(*v),
+        "loguniform": lambda v: tune.loguniform(*v),
+        "randint": lambda v: tune.randint(v[0], v[1] + 1),  # inclusive upper bound, as written in the sweep
+    }
+    return {key: builders[kind](values) for key, spec in params.items() for kind, values in spec.items()}
+
+
+def asha_scheduler(rungs: int, grace_period: int, reduction_factor: float) -> Any:
+    """ASHA over rungs (``rung`` is the time attribute)."""
+    from ray.tune.schedulers import ASHAScheduler
+
+    return ASHAScheduler(time_attr="rung", max_t=rungs, grace_period=grace_period,
+                         reduction_factor=reduction_factor)
+
+
+def run_tuner(trial: Callable[[dict], None], params: dict[str, dict], *, metric: str, mode: str, search: str,
+              num_samples: int, seed: int, scheduler: Any, storage_dir: str, name: str,
+              trial_cpus: float) -> list[dict]:
+    """Run the sweep and return one row per trial (parameters, last reported metrics, status).
+
+    Args:
+        trial: ``trial(params)``; calls :func:`report` once per rung.
+        params: The sweep's parameter specs.
+        metric: Name of the reported metric to optimise.
+        mode: "min" or "max".
+        search: "grid" or "random".
+        num_samples: Trials of a random search, repeats of a grid.
+        seed: Seed of the random search.
+        scheduler: An ASHA scheduler or None.
+        storage_dir: Where Tune keeps trial state.
+        name: Tune experiment name.
+        trial_cpus: CPU reservation of each trial process.
+    """
+    from ray import tune
+    from ray.tune.search import BasicVariantGenerator
+
+    tuner = tune.Tuner(
+        tune.with_resources(trial, {"cpu": trial_cpus}),
+        param_space=search_space(params),
+        tune_config=tune.TuneConfig(
+            metric=metric, mode=mode, num_samples=num_samples, scheduler=scheduler, max_concurrent_trials=1,
+            search_alg=BasicVariantGenerator(random_state=seed) if search == "random" else None,
+        ),
+        run_config=tune.RunConfig(name=name, storage_path=storage_dir, verbose=1),
+    )
+    grid = tuner.fit()
+    rows = []
+    for index, result in enumerate(grid):
+        metrics = dict(result.metrics or {})
+        value = metrics.get(metric)
+        rows.append({
+            "trial": index,
+            "trial_id": metrics.get("trial_id", ""),
+            **{f"param.{k}": v for k, v in (result.config or {}).items()},
+            "metric": value if value is None or math.isfinite(value) else None,
+            "rung": metrics.get("rung"),
+            "status": "error" if result.error else ("done" if value is not None else "no result"),
+            "error": str(result.error) if result.error else "",
+        })
+    return rows
+
+
+def report(metrics: dict) -> None:
+    """Report a trial's metrics for this rung."""
+    from ray import tune
+
+    tune.report(metrics)
