@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install raycurate into it, on a fresh machine.
 #   bash scripts/bootstrap.sh          # runtime only (enough for `raycurate demo`)
-#   bash scripts/bootstrap.sh dev      # + test tools
+#   bash scripts/bootstrap.sh dev      # + test tools, lm-eval and (via apt, when root) Chromium
 #   bash scripts/bootstrap.sh gpu,eval # + vLLM and lm-eval (GPU machines)
 # Torch: without an NVIDIA GPU the CPU build torch==2.13.0 is installed first (a plain `pip install torch`
 # would pull a multi-GB CUDA build); with a GPU the default CUDA build. Set RAYCURATE_TORCH_INDEX to a CPU
@@ -28,5 +28,9 @@ if [ -n "$extras" ]; then
   "$py" -m pip install --quiet -e ".[${extras}]"
 else
   "$py" -m pip install --quiet -e .
+fi
+if [[ ",$extras," == *",dev,"* ]]; then
+  # The report's browser test needs Chromium; without root/apt it is skipped with a reason.
+  bash scripts/install_chromium.sh || echo "bootstrap: chromium unavailable; tests/test_report_browser.py will skip"
 fi
 "$py" -c "import torch, ray, raycurate; print(f'raycurate {raycurate.__version__}: torch {torch.__version__}, ray {ray.__version__}, cuda={torch.cuda.is_available()}')"

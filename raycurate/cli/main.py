@@ -7,6 +7,7 @@ Examples::
     raycurate ingest --input data.jsonl --out runs/mydata
     raycurate train --data data.jsonl --model /ckpt/llama --out runs/sft
     raycurate tune tune/bridge_budgets.yaml          # Ray Tune sweep; trials share the stage cache
+    raycurate eval runs/demo --model-stage train_bridge --limit 50
     raycurate inspect runs/demo
     raycurate report runs/demo
 """
@@ -107,6 +108,32 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from raycurate.rundir import RunDir
+    from raycurate.stages.lm_eval import LOCAL_TASKS, lm_eval_stage
+    from raycurate.stages.runtime import init_ray
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "manifest.json").exists():
+        raise FileNotFoundError(f"{run_dir} has no manifest.json; pass a raycurate run directory")
+    run = RunDir(run_dir)
+    stages = run.load_manifest().get("stages", {})
+    models = [s for s, rec in stages.items() if rec.get("status") == "done" and "model" in (rec.get("outputs") or {})]
+    if args.model_stage not in models:
+        raise SystemExit(f"raycurate eval: --model-stage {args.model_stage!r} is not a finished model stage of "
+                         f"{run_dir}; choose one of {models}")
+    tasks = args.tasks.split(",") if args.tasks else list(LOCAL_TASKS)
+    init_ray()
+    record = lm_eval_stage(run, f"lm_eval_{args.model_stage}", model_stage=args.model_stage, heldout_stage="corpus",
+                           tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit, domain=args.domain,
+                           force=args.force)
+    for key, value in sorted(record["metrics"].items()):
+        if not key.endswith(("_stderr", "/samples")):
+            print(f"{key:<48} {value:.4f}" if isinstance(value, float) else f"{key:<48} {value}")
+    print(f"results: {run_dir / record['outputs']['lm_eval']}")
+    return 0
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from raycurate.config.data import DataConfig
     from raycurate.rundir import RunDir
@@ -184,6 +211,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sweep", help="sweep YAML, e.g. tune/bridge_budgets.yaml")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the sweep file, e.g. num_samples=4")
     p.set_defaults(fn=cmd_tune)
+
+    p = sub.add_parser("eval", help="lm-eval on a model stage of a run (held-out tasks, named harness tasks)")
+    p.add_argument("run_dir")
+    p.add_argument("--model-stage", required=True, help="stage whose model to evaluate, e.g. train_bridge")
+    p.add_argument("--tasks", help="comma-separated lm-eval tasks (default: the embedded held-out tasks); named "
+                   "tasks such as arc_challenge,hellaswag,mmlu need their datasets in the local HF cache")
+    p.add_argument("--limit", type=int, help="documents per task")
+    p.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
+    p.add_argument("--domain", default="math", choices=["math", "code", "instruction"],
+                   help="target domain of the General / Overall averages")
+    p.add_argument("--force", action="store_true", help="re-run even if the results are current")
+    p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("ingest", help="validate input files into accepted parquet + rejected.jsonl")
     p.add_argument("--input", action="append", required=True, help="jsonl / parquet / HF save_to_disk path "

@@ -11,10 +11,11 @@ from raycurate.config.base import option
 from raycurate.config.bridge import BridgeConfig
 from raycurate.config.data import DataConfig
 from raycurate.config.model import ModelConfig
+from raycurate.config.p2d import P2DConfig
 from raycurate.config.train import TrainConfig
 from raycurate.stages.ray_data import ActorPoolConfig
 
-PIPELINES = ("demo", "sft", "bridge")
+PIPELINES = ("demo", "sft", "bridge", "p2d")
 
 
 @dataclasses.dataclass
@@ -45,14 +46,23 @@ class EvalConfig:
     max_new_tokens: int = option(96, "Greedy generation budget per held-out question.")
     batch_size: int = option(32, "Questions per generation batch.")
     pool: ActorPoolConfig = option(ActorPoolConfig(num_actors=2, batch_size=50), "Actor pool for evaluation.")
+    lm_eval_tasks: list[str] = option(
+        [], "lm-eval tasks run on each main trained model: raycurate_heldout_em / raycurate_heldout_gold_ll (the "
+        "embedded held-out set) and named harness tasks (arc_challenge, hellaswag, mmlu, humaneval, gsm8k, "
+        "minerva_math, ifeval; their datasets must be in the local HF cache). Empty: skip lm-eval.")
+    lm_eval_limit: int | None = option(None, "Documents per lm-eval task (null: all).")
+    lm_eval_num_fewshot: int | None = option(None, "Few-shot examples for the named tasks (null: each task's default; "
+                                             "the BRIDGE paper uses 5 for MMLU).")
+    lm_eval_domain: str = option("math", "Target domain for the BRIDGE paper's General / Overall averages.",
+                                 choices=("math", "code", "instruction"))
 
 
 @dataclasses.dataclass
 class DemoConfig:
     """What ``raycurate demo`` runs after the shared data preparation."""
 
-    methods: list[str] = option(["sft", "bridge"], "Pipelines the demo runs and compares: sft (mixed vs clean SFT), "
-                                "bridge (BRIDGE + token baselines).")
+    methods: list[str] = option(["sft", "bridge", "p2d"], "Pipelines the demo runs and compares: sft (mixed vs clean "
+                                "SFT), bridge (BRIDGE + token baselines), p2d (head-guided selection + sparse heads).")
 
 
 @dataclasses.dataclass
@@ -70,3 +80,5 @@ class JobConfig:
     demo: DemoConfig = option(DemoConfig(), "Demo contents.")
     bridge: BridgeConfig = option(BridgeConfig(), "BRIDGE token selection (pipeline bridge, and the demo).")
     bridge_pool: ActorPoolConfig = option(ActorPoolConfig(batch_size=32), "Actor pool for BRIDGE scoring.")
+    p2d: P2DConfig = option(P2DConfig(), "P2D head scoring, ICL probing and sparse head adaptation.")
+    p2d_pool: ActorPoolConfig = option(ActorPoolConfig(batch_size=8), "Actor pool for P2D ICL probing and IFD.")

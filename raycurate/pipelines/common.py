@@ -84,3 +84,28 @@ def record_row_accounting(run: RunDir, ingest: dict, tokenize: dict) -> dict:
         raise RuntimeError(f"row accounting does not add up: {rows}; this is a bug, please report it")
     run.update_manifest(rows=rows)
     return rows
+
+
+def lm_eval_models(run: RunDir, cfg: Any, model_stages: dict[str, str]) -> dict:
+    """lm-eval (``eval.lm_eval_tasks``) on each ``{name: model stage}``; results go to ``results.lm_eval``."""
+    if not cfg.eval.lm_eval_tasks:
+        return {}
+    from raycurate.stages.lm_eval import lm_eval_stage
+
+    results = {}
+    for name, model_stage in model_stages.items():
+        stage = f"lm_eval_{name}"
+        record = lm_eval_stage(run, stage, model_stage=model_stage, heldout_stage="corpus",
+                               tasks=cfg.eval.lm_eval_tasks, num_fewshot=cfg.eval.lm_eval_num_fewshot,
+                               limit=cfg.eval.lm_eval_limit, max_gen_toks=cfg.eval.max_new_tokens,
+                               domain=cfg.eval.lm_eval_domain, force=forced(cfg, stage))
+        results[name] = record["metrics"]
+    manifest_results = run.load_manifest().get("results") or {}
+    run.update_manifest(results={**manifest_results, "lm_eval": {**manifest_results.get("lm_eval", {}), **results}})
+    return results
+
+
+def record_heldout(run: RunDir, heldout: dict) -> None:
+    """Save ``results.heldout`` in the manifest, keeping the other result sections (e.g. ``lm_eval``)."""
+    results = run.load_manifest().get("results") or {}
+    run.update_manifest(results={**results, "heldout": heldout})

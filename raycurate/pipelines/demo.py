@@ -9,10 +9,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from raycurate.pipelines.common import forced, open_run, prepare_data
+from raycurate.pipelines.common import forced, lm_eval_models, open_run, prepare_data, record_heldout
 from raycurate.pipelines.sft import write_report
 
 log = logging.getLogger("raycurate")
+
+DEMO_METHODS = ("sft", "bridge", "p2d")
+LM_EVAL_MODELS = ("base", "mixed", "clean", "bridge", "p2d", "bds", "online")
 
 
 def clean_rows(table: Any) -> Any:
@@ -32,9 +35,9 @@ def run_demo(cfg: Any) -> dict:
     if "corpus" not in records:
         raise ValueError("the demo runs on the embedded corpus (it needs ground-truth labels); leave data.input "
                          "empty, or use pipeline=sft for your own data")
-    unknown = set(cfg.demo.methods) - {"sft", "bridge"}
+    unknown = set(cfg.demo.methods) - set(DEMO_METHODS)
     if unknown:
-        raise ValueError(f"demo.methods has unknown entries {sorted(unknown)}; choose from ['sft', 'bridge']")
+        raise ValueError(f"demo.methods has unknown entries {sorted(unknown)}; choose from {list(DEMO_METHODS)}")
     variants = [("base", "base_model")]
     if "sft" in cfg.demo.methods:
         filter_tokens_stage(run, "subset_clean", tokens_stage="tokenize", description="label.clean == true",
@@ -53,7 +56,14 @@ def run_demo(cfg: Any) -> dict:
         from raycurate.pipelines.bridge import run_bridge_stages
 
         results.update(run_bridge_stages(run, cfg, evaluate=True))
-    run.update_manifest(results={"heldout": results})
+    if "p2d" in cfg.demo.methods:
+        from raycurate.pipelines.p2d import run_p2d_stages
+
+        full_sft = "train_mixed" if "sft" in cfg.demo.methods else None
+        results.update(run_p2d_stages(run, cfg, evaluate=True, full_sft_stage=full_sft))
+    record_heldout(run, results)
+    main = [name for name in results if name in LM_EVAL_MODELS]  # baselines are compared on the held-out eval only
+    lm_eval_models(run, cfg, {name: f"train_{name}" if name != "base" else "base_model" for name in main})
     report = write_report(run)
     log.info("report: %s", report)
     return run.load_manifest()

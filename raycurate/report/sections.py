@@ -81,18 +81,22 @@ def section_bilevel(run_dir: Path, manifest: dict) -> str:
 
 
 def section_lm_eval(run_dir: Path, manifest: dict) -> str:
-    """lm-eval results per model and task, with the BRIDGE paper's General / Overall averages when present."""
-    results = (manifest.get("results") or {}).get("lm_eval") or {}
-    if not results:
+    """lm-eval metrics per evaluated model, with the BRIDGE paper's General / Overall averages when available."""
+    runs = {name: rec for name, rec in (manifest.get("stages") or {}).items()
+            if rec.get("status") == "done" and "lm_eval" in (rec.get("outputs") or {})}
+    if not runs:
         return ""
-    tasks = sorted({t for r in results.values() for t in (r.get("tasks") or {})})
-    rows = []
-    for model, r in results.items():
-        scores = r.get("tasks") or {}
-        rows.append([model, *(_fmt(scores.get(t)) for t in tasks), _fmt(r.get("general_avg")),
-                     _fmt(r.get("overall_avg"))])
-    return ("<h2 id='lm_eval'>lm-eval</h2>"
-            + table(["model", *tasks, "General Avg", "Overall Avg"], rows))
+    keys = sorted({k for rec in runs.values() for k in rec.get("metrics", {})
+                   if "/" in k and not k.endswith(("/samples", "_stderr"))})
+    out = ("<h2 id='lm_eval'>lm-eval</h2><p>lm-eval harness metrics (<code>task/metric/filter</code>) per model; "
+           "the raycurate_heldout tasks run over the embedded held-out set.</p>"
+           + table(["stage", *keys], [[name, *(_fmt(rec["metrics"].get(k)) for k in keys)]
+                                      for name, rec in runs.items()]))
+    averages = [[name, *(_fmt(rec["metrics"].get(k)) or "n/a" for k in ("general_avg", "target", "overall_avg"))]
+                for name, rec in runs.items()]
+    if any(v != "n/a" for row in averages for v in row[1:]):
+        out += "<h3>BRIDGE aggregates</h3>" + table(["stage", "General Avg", "target", "Overall Avg"], averages)
+    return out
 
 
 def _fmt(value: object) -> str:
