@@ -23,7 +23,7 @@ def test_demo_end_to_end_resume_and_rerun_downstream_only(tmp_path, ray_local, c
         "demo", "--out", str(run_dir), "data.corpus_rows=160", "data.heldout_rows=10", "model.pretrain_steps=10",
         "model.pretrain_rows=300", f"model.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
         "eval.max_new_tokens=8", "run.progress=false", "train.micro_batch_size=2", "train.effective_batch_size=4",
-        "bridge.diagnostics_rows=4", "bridge.baselines=[random,token_cleaning]",
+        "bridge.diagnostics_rows=4", "bridge.baselines=[random,token_cleaning]", "demo.methods=[sft,bridge]",
     ]
     assert main(args) == 0
     out = capsys.readouterr().out

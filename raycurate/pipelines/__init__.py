@@ -23,7 +23,13 @@ def _bridge(cfg: Any) -> dict:
     return run_bridge_pipeline(cfg)
 
 
-PIPELINES: dict[str, Callable[[Any], dict]] = {"demo": _demo, "sft": _sft, "bridge": _bridge}
+def _p2d(cfg: Any) -> dict:
+    from raycurate.pipelines.p2d import run_p2d_pipeline
+
+    return run_p2d_pipeline(cfg)
+
+
+PIPELINES: dict[str, Callable[[Any], dict]] = {"demo": _demo, "sft": _sft, "bridge": _bridge, "p2d": _p2d}
 
 
 def run_pipeline(cfg: Any) -> dict:

@@ -275,7 +275,8 @@ def _param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # adapters have no 1-D parameters; DeepSpeed drops empty groups
 
 
 def _optimizer_and_schedule(model: Any, cfg: TrainConfig, run_steps: int) -> tuple[Any, Any]:

@@ -1,0 +1,47 @@
+"""Config section of the P2D pipeline (``p2d:`` in a job YAML); defaults are the paper's (SPEC §5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raycurate.config.base import option
+
+P2D_BASELINES = ("random_data", "random_heads", "full_heads", "lora", "ifd", "full_data")
+
+
+@dataclass
+class P2DConfig:
+    """Attention heads as the compass: head scoring, head-guided ICL probing, sparse head adaptation."""
+
+    task_model: str | None = option(
+        None, "A fine-tuned task model to score heads against (a local HF checkpoint); null trains the proxy.")
+    pool_split: str | None = option(
+        None, "Split (data.split_ratios) that forms the selection pool; null: every tokenized training row. The "
+        "paper's 90/10 protocol: split_ratios {selection: 0.9, validation: 0.1} and pool_split: selection.")
+    proxy_examples: int = option(100, "Seeded random pool examples the proxy is fine-tuned on.")
+    proxy_steps: int = option(20, "Full-batch optimizer steps of the proxy fine-tuning.")
+    proxy_lr: float = option(2e-5, "Learning rate of the proxy fine-tuning.")
+    head_ratio: float = option(0.10, "rho_P: share of query heads selected (exactly ceil(rho_P * heads)).")
+    head_tau: float = option(0.1, "Softmax temperature tau of the head distributions P^h = softmax(vec / tau).")
+    head_scorer: str = option("w1", "Head score: exact W1 (paper) or an ablation.",
+                              choices=("w1", "cosine", "l2", "kl"))
+    include_o: bool = option(False, "Include the head's o_proj columns in its scoring vector.")
+    data_ratio: float = option(0.10, "rho_D: share of the pool selected by ICL probing.")
+    rounds: int = option(3, "n: ICL prompts each example appears in as a demonstration.")
+    demos: int = option(5, "Demonstrations per ICL prompt.")
+    queries: int = option(3, "Queries per ICL prompt.")
+    query_score: str = option(
+        "loglik", "Query score s^(k): teacher-forced gold likelihood (geometric-mean token probability, for models "
+        "too small to generate), exact_match of the generated final answer, or rouge_l of the generated response.",
+        choices=("loglik", "exact_match", "rouge_l"))
+    instruction: str = option("Solve the following problems. Show your work and end with '#### answer'.",
+                              "Instruction at the top of every ICL prompt.")
+    max_prompt_tokens: int = option(2048, "ICL prompts longer than this are an error naming the prompt.")
+    epochs: int = option(3, "Epochs of the sparse head adaptation and the baselines on the selected data (paper: 3).")
+    lr: float | None = option(None, "Learning rate of the adaptation (null: train.lr).")
+    train_o: bool = option(False, "Sparse adaptation also trains the selected heads' o_proj columns.")
+    lora_r: int = option(128, "LoRA rank of the lora baseline (paper: 128 on q, k, v).")
+    baselines: list[str] = option(
+        ["random_data", "random_heads"],
+        f"Baselines trained and evaluated beside P2D: {', '.join(P2D_BASELINES)}.")
+    seed: int = option(0, "Seed of the proxy sample, the ICL rounds and the random baselines.")
