@@ -1,0 +1,240 @@
+"""Seeded temperature / nucleus sampling from a Hugging Face causal LM, with generation-time log-probs (BMO, SPEC §6).
+
+Decisions:
+
+* Own decoding loop with a KV cache (``model(..., past_key_values=..., use_cache=True)``) instead of
+  ``model.generate``: every random draw comes from an explicit ``torch.Generator``, so the same seed gives the same
+  responses, and the log-probs are recorded exactly as defined below.
+* Prompts are left-padded (:func:`raycurate.models.generation.left_pad`) and ``position_ids`` are taken from the
+  attention mask, so a padded row sees the same positions as the prompt alone.
+* Sampling is by inverse CDF: at each step each row draws one uniform ``u`` and takes the first token whose
+  cumulative probability exceeds ``u``.  With one generator per prompt, a prompt consumes exactly ``n`` uniforms per
+  decoding step whatever else is in the batch, so its samples do not depend on batch composition or chunking (up to
+  float rounding of the logits under padding).
+* **Recorded log-prob = log pi(y_t | x, y_<t) at temperature 1**, i.e. ``log_softmax`` of the raw logits, *not* of
+  ``logits / temperature`` and not renormalised over the top-p nucleus.  BMO's importance weight
+  ``r = pi_theta(y) / pi_old(y)`` compares the policy's own probabilities: ``pi_theta`` is recomputed teacher-forced
+  by the trainer from raw logits, so ``pi_old`` must be the same distribution, evaluated at generation time.  This
+  is also what vLLM returns with ``logprobs_mode="raw_logprobs"`` (its V1 default), so the HF and vLLM actors agree.
+* ``temperature == 0`` means greedy decoding (no random draws).
+* A response stops at the first token in ``eos_ids`` (kept in the response, its log-prob recorded,
+  ``finished=True``) or after ``max_new_tokens`` tokens (``finished=False``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from raycurate.models.generation import left_pad
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled response.
+
+    Attributes:
+        response_ids: Generated token ids (the stop token included when ``finished``).
+        token_logprobs: ``log pi(y_t | x, y_<t)`` at temperature 1, one per response token.
+        finished: True when the response ended with a stop token, False when it hit ``max_new_tokens``.
+    """
+
+    response_ids: list[int]
+    token_logprobs: list[float]
+    finished: bool
+
+    @property
+    def logprob(self) -> float:
+        """Sequence log-prob, the sum of ``token_logprobs``."""
+        return float(sum(self.token_logprobs))
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 63-bit seed from any values (e.g. ``(seed, step, question_id)``); same parts, same seed, any process.
+
+    Python's ``hash`` is salted per process, so it cannot be used for seeds that must agree across Ray actors.
+    """
+    digest = hashlib.sha256("\x1f".join(repr(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
+def _cache_keyword() -> str:
+    """Name of the KV-cache argument of HF ``forward``: ``cache`` from transformers 5.2x, ``past_key_values`` before."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
+
+def _returned_cache(out: object) -> object:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _check_arguments(prompts: Sequence[Sequence[int]], n: int, temperature: float, max_new_tokens: int,
+                     top_p: float) -> None:
+    if n < 1:
+        raise ValueError(f"n={n}: ask for at least one sample per prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: the generation budget must be at least 1 token")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} is negative; use 0 for greedy decoding or a positive value")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]; 1.0 disables nucleus sampling")
+    empty = [i for i, prompt in enumerate(prompts) if len(prompt) == 0]
+    if empty:
+        raise ValueError(f"prompts {empty[:5]} are empty; every prompt needs at least one token (e.g. BOS)")
+
+
+def _row_generators(generator: torch.Generator | Sequence[torch.Generator], n_prompts: int) -> list[torch.Generator]:
+    """One generator per prompt (a single shared generator is repeated)."""
+    if isinstance(generator, torch.Generator):
+        return [generator] * n_prompts
+    generators = list(generator)
+    if len(generators) != n_prompts:
+        raise ValueError(
+            f"got {len(generators)} generators for {n_prompts} prompts; pass one torch.Generator, or one per prompt"
+        )
+    return generators
+
+
+def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Sampling distribution: softmax of ``logits / temperature`` restricted to the top-p nucleus, renormalised.
+
+    Args:
+        logits: (B, V) raw next-token logits.
+        temperature: > 0.
+        top_p: Nucleus mass in (0, 1]; the smallest set of most likely tokens whose mass reaches ``top_p`` is kept
+            (always at least the most likely token).
+
+    Returns:
+        (B, V) float32 probabilities, each row summing to 1.
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V) mass of strictly more likely tokens
+    sorted_keep = mass_before < top_p  # the first token always has mass_before == 0
+    keep = torch.zeros_like(sorted_keep).scatter(-1, order, sorted_keep)
+    probs = probs * keep
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def draw_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: the first token whose cumulative probability exceeds ``u`` (never a zero-prob token).
+
+    Args:
+        probs: (B, V) probabilities.
+        uniforms: (B,) draws in [0, 1).
+
+    Returns:
+        (B,) long token ids.
+    """
+    cdf = probs.cumsum(dim=-1)  # (B, V)
+    # Scaled by the row total, so float drift in the cumsum can never push u past the last token.
+    targets = (uniforms.to(device=cdf.device, dtype=cdf.dtype) * cdf[:, -1]).unsqueeze(-1)  # (B, 1)
+    return torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, row_generators: list[torch.Generator],
+                 n: int) -> torch.Tensor:
+    """(B*n, V) logits -> (B*n,) tokens; rows ``[k*n, (k+1)*n)`` belong to prompt ``k`` and use its generator."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    uniforms = torch.cat([torch.rand(n, generator=g) for g in row_generators])  # (B*n,)
+    return draw_tokens(nucleus_probs(logits, temperature, top_p), uniforms)
+
+
+@torch.no_grad()
+def _sample_chunk(model: torch.nn.Module, prompts: Sequence[Sequence[int]], row_generators: list[torch.Generator], *,
+                  n: int, temperature: float, top_p: float, max_new_tokens: int, stop: set[int],
+                  pad_id: int) -> list[list[Sample]]:
+    device = next(model.parameters()).device
+    expanded = [prompt for prompt in prompts for _ in range(n)]
+    input_ids, attention_mask = (t.to(device) for t in left_pad(expanded, pad_id))  # (R, T) with R = B*n
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)  # (R, T) positions count real tokens only
+    # logits_to_keep=1: only the last position's logits; (R, T, V) would not fit for long prompts and big vocabularies
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                logits_to_keep=1)
+    next_position = position_ids[:, -1] + 1  # (R,)
+    rows = len(expanded)
+    running = torch.ones(rows, dtype=torch.bool, device=device)
+    tokens_out: list[torch.Tensor] = []
+    logprobs_out: list[torch.Tensor] = []
+    stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
+    cache_keyword = _cache_keyword()
+    for _ in range(max_new_tokens):
+        logits = out.logits[:, -1, :].float()  # (R, V)
+        token = _next_tokens(logits, temperature, top_p, row_generators, n).to(device)
+        logprob = torch.log_softmax(logits, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)  # (R,) temperature 1
+        token = torch.where(running, token, torch.full_like(token, pad_id))
+        tokens_out.append(token)
+        logprobs_out.append(logprob)
+        running = running & ~torch.isin(token, stop_ids)
+        if not bool(running.any()):
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
+        out = model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask,
+                    position_ids=next_position.unsqueeze(-1), use_cache=True, **{cache_keyword: _returned_cache(out)})
+        next_position = next_position + 1
+    return _collect(torch.stack(tokens_out, 1).tolist(), torch.stack(logprobs_out, 1).tolist(), stop, len(prompts), n)
+
+
+def _collect(tokens: list[list[int]], logprobs: list[list[float]], stop: set[int], n_prompts: int,
+             n: int) -> list[list[Sample]]:
+    """Cut each row after its first stop token and group rows by prompt."""
+    samples = []
+    for row_tokens, row_logprobs in zip(tokens, logprobs):
+        cut = next((i + 1 for i, tok in enumerate(row_tokens) if tok in stop), None)
+        length = len(row_tokens) if cut is None else cut
+        samples.append(Sample(row_tokens[:length], [float(x) for x in row_logprobs[:length]], cut is not None))
+    return [samples[k * n:(k + 1) * n] for k in range(n_prompts)]
+
+
+def sample_responses(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    n: int,
+    temperature: float,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    generator: torch.Generator | Sequence[torch.Generator],
+    top_p: float = 1.0,
+    batch_size: int = 32,
+) -> list[list[Sample]]:
+    """Sample ``n`` responses per prompt and record each token's log-prob under the policy at temperature 1.
+
+    Args:
+        model: A causal LM (eval mode is set here) returning ``.logits`` (B, T, V) and ``.past_key_values``.
+        prompts: Token ids of each prompt, BOS / chat-template tokens included.
+        n: Responses per prompt (G).
+        temperature: Sampling temperature (> 0), or 0 for greedy decoding.
+        max_new_tokens: Generation budget per response.
+        eos_ids: Tokens that end a response (kept in it).
+        pad_id: Padding token id.
+        generator: One CPU ``torch.Generator`` for the whole call, or one per prompt (then each prompt's samples
+            depend only on its generator, not on the other prompts or on ``batch_size``).
+        top_p: Nucleus mass in (0, 1]; 1.0 samples from the full tempered distribution.
+        batch_size: Prompts per forward batch (each expands to ``n`` rows).
+
+    Returns:
+        ``result[k][g]`` is the ``g``-th :class:`Sample` of prompt ``k``.
+    """
+    _check_arguments(prompts, n, temperature, max_new_tokens, top_p)
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: use at least 1 prompt per batch")
+    row_generators = _row_generators(generator, len(prompts))
+    model.eval()
+    stop = {int(e) for e in eos_ids}
+    results: list[list[Sample]] = []
+    for start in range(0, len(prompts), batch_size):
+        end = start + batch_size
+        results.extend(_sample_chunk(model, prompts[start:end], row_generators[start:end], n=n,
+                                     temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                     stop=stop, pad_id=pad_id))
+    return results
