@@ -37,6 +37,7 @@ class RayConfig:
     num_cpus: int | None = option(None, "CPUs of a local Ray instance (null: all cores).")
     temp_dir: str | None = option(None, "Ray session folder for a local instance (null: Ray's default /tmp/ray).")
     object_store_memory: int | None = option(None, "Object store bytes for a local instance (null: Ray's default).")
+    spill_dir: str | None = option(None, "Object spilling folder of a local instance (null: Ray's default).")
 
 
 @dataclasses.dataclass
@@ -74,7 +75,8 @@ class JobConfig:
     ray: RayConfig = option(RayConfig(), "Ray connection.")
     data: DataConfig = option(DataConfig(), "Input data, validation and splits.")
     model: ModelConfig = option(ModelConfig(), "Base model and tokenizer.")
-    tokenize: ActorPoolConfig = option(ActorPoolConfig(batch_size=256), "Actor pool for tokenization.")
+    tokenize: ActorPoolConfig = option(ActorPoolConfig(batch_size=256, gpus_per_actor=0),
+                                       "Actor pool for tokenization (CPU work: no GPUs by default).")
     train: TrainConfig = option(TrainConfig(), "Fine-tuning (Ray Train).")
     eval: EvalConfig = option(EvalConfig(), "Held-out evaluation.")
     demo: DemoConfig = option(DemoConfig(), "Demo contents.")

@@ -90,6 +90,13 @@ def load_model(
     return model.to(device).eval()
 
 
+def best_device() -> str:
+    """``"cuda"`` when a GPU is visible to this process (e.g. a Ray actor given ``num_gpus``), else ``"cpu"``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved in a local checkpoint directory (never downloads).
 

@@ -19,7 +19,7 @@ def open_run(cfg: Any) -> RunDir:
     run = RunDir(Path(cfg.run.runs_dir) / cfg.run.name)
     atomic_write_text(run.root / "config.yaml", dump_yaml(cfg))
     init_ray(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, temp_dir=cfg.ray.temp_dir,
-             object_store_memory=cfg.ray.object_store_memory)
+             object_store_memory=cfg.ray.object_store_memory, spill_dir=cfg.ray.spill_dir)
     run.update_manifest(config_file="config.yaml", pipeline=cfg.pipeline)
     return run
 

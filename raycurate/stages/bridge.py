@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from raycurate.rundir import RunDir
-from raycurate.stages.base import StageOutput, output_path, run_stage
-from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir
+from raycurate.stages.ray_data import ActorPoolConfig, resolve_pool
 from raycurate.stages.runtime import run_as_task
 
 log = logging.getLogger("raycurate")
@@ -168,8 +169,8 @@ class BridgeScoreUDF:
 
 def score_select_stage(run: RunDir, *, tokens_stage: str, warmup_stage: str, direction_stage_name: str,
                        bridge_cfg: Any, pool_cfg: ActorPoolConfig, force: bool = False) -> dict:
-    """Fused scoring and per-example selection on a Ray Data actor pool; writes ``selection/*.parquet``."""
-    import ray.data
+    """Fused scoring and per-example selection on a fault-tolerant actor pool, in resumable shards
+    (:mod:`raycurate.stages.sharded`); writes ``selection/part-*.parquet`` (+ per-shard ``.done`` markers)."""
 
     tokens = output_path(run, tokens_stage, "tokens")
     model_dir = output_path(run, warmup_stage, "model")
@@ -177,16 +178,19 @@ def score_select_stage(run: RunDir, *, tokens_stage: str, warmup_stage: str, dir
     settings = selection_settings(bridge_cfg)
 
     def body(out: Path) -> StageOutput:
-        ray.data.DataContext.get_current().execution_options.preserve_order = True
+        from raycurate.stages.sharded import SHARDS_DIR, sharded_map
+
         pool = resolve_pool(pool_cfg)
-        ds = ray.data.read_parquet(str(tokens))
-        ds = map_with_actor_pool(ds, BridgeScoreUDF, {
+        scratch = scratch_dir(run, "bridge_select")  # finished shards survive a killed job
+        shard_metrics = sharded_map(str(tokens), scratch, BridgeScoreUDF, {
             "model_dir": str(model_dir), "direction_path": str(direction), "routing_layer": bridge_cfg.routing_layer,
             "settings": settings, "micro_batch": bridge_cfg.micro_batch,
             "threads": max(1, int(round(pool.num_cpus))),
-        }, pool)
-        ds.write_parquet(str(out / "selection"))
+        }, shard_rows=pool_cfg.shard_rows, num_actors=pool.num_actors, num_cpus_per_actor=pool.num_cpus,
+            num_gpus_per_actor=pool.num_gpus, batch_rows=pool.batch_size)
+        os.replace(scratch / SHARDS_DIR, out / "selection")
         metrics = selection_summary(out / "selection")
+        metrics["shards"] = {k: v for k, v in shard_metrics.items() if not isinstance(v, (list, dict))}
         return StageOutput(outputs={"selection": "selection"}, metrics=metrics)
 
     config = {"settings": dataclasses.asdict(settings), "routing_layer": bridge_cfg.routing_layer}

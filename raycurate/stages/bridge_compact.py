@@ -96,11 +96,11 @@ class TokenLossUDF:
     def __init__(self, base_dir: str, reference_dir: str, method: str, rho_p: float, rho_r: float, threads: int):
         import torch
 
-        from raycurate.models.loading import load_model, load_tokenizer
+        from raycurate.models.loading import best_device, load_model, load_tokenizer
 
         torch.set_num_threads(max(1, threads))
-        self.base = load_model(base_dir, dtype="float32").eval()
-        self.reference = load_model(reference_dir, dtype="float32").eval()
+        self.base = load_model(base_dir, dtype="float32", device=best_device()).eval()
+        self.reference = load_model(reference_dir, dtype="float32", device=best_device()).eval()
         self.pad_id = load_tokenizer(base_dir).pad_token_id or 0
         self.method, self.rho_p, self.rho_r = method, rho_p, rho_r
 
@@ -133,12 +133,15 @@ def row_token_losses(models: dict[str, Any], rows: list[dict], pad_id: int, *, w
     from raycurate.algorithms.bridge import pad_rows
     from raycurate.algorithms.losses import token_losses
 
-    batch = pad_rows(rows, pad_id)
-    mask = batch["attention_mask"] if whole_row else batch["loss_mask"]
-    with torch.no_grad():
-        return {name: token_losses(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-                                   .logits.float(), batch["input_ids"], mask)
-                for name, model in models.items()}
+    out = {}
+    for name, model in models.items():
+        device = next(model.parameters()).device
+        batch = {k: v.to(device) for k, v in pad_rows(rows, pad_id).items()}
+        mask = batch["attention_mask"] if whole_row else batch["loss_mask"]
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+            out[name] = token_losses(logits, batch["input_ids"], mask).cpu()
+    return out
 
 
 def loss_baseline_columns(method: str, base: Any, reference: Any, rows: list[dict], rho_p: float, rho_r: float,
@@ -231,7 +234,8 @@ def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stag
 
             ray.data.DataContext.get_current().execution_options.preserve_order = True
             pool = resolve_pool(pool_cfg or ActorPoolConfig(batch_size=16))
-            ds = ray.data.read_parquet(str(source)).select_columns(keep_cols)
+            parts = [str(p) for p in sorted(source.glob("*.parquet"))]  # the folder also holds shard markers
+            ds = ray.data.read_parquet(parts).select_columns(keep_cols)
             ds = map_with_actor_pool(ds, TokenLossUDF, {
                 "base_dir": str(output_path(run, base_stage, "model")),
                 "reference_dir": str(output_path(run, warmup_stage, "model")), "method": method,

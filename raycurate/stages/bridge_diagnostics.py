@@ -33,12 +33,13 @@ def run_diagnostics(model_dir: str, direction_path: str, selection_dir: str, *, 
     from raycurate.algorithms.bridge import fixed_masks
     from raycurate.algorithms.fidelity import example_fidelity, fidelity_table, mean_ranking_shift, ranking_shift
     from raycurate.algorithms.selection import eligible_positions
-    from raycurate.models.loading import load_model
+    from raycurate.models.loading import best_device, load_model
     from raycurate.stages.bridge import read_token_rows
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    model = load_model(model_dir, dtype="float32").eval()
-    direction = load_file(direction_path)
+    device = best_device()
+    model = load_model(model_dir, dtype="float32", device=device).eval()
+    direction = {k: v.to(device) for k, v in load_file(direction_path).items()}
     table = read_token_rows(Path(selection_dir), ["id", "input_ids", "prompt_len", "prompt_offsets",
                                                   "response_offsets"])
     order = np.random.default_rng(seed).permutation(len(table))[:rows]
@@ -50,9 +51,9 @@ def run_diagnostics(model_dir: str, direction_path: str, selection_dir: str, *, 
         prompt_idx, response_idx = eligible_positions(n, p, bool(fixed_p[0]), fixed_p, fixed_r)
         if len(prompt_idx) == 0 or len(response_idx) == 0:
             continue
-        example = example_fidelity(model, torch.as_tensor(row["input_ids"]), p, prompt_idx, response_idx, direction,
-                                   layer=routing_layer, rho_p=rho_p, rho_r=rho_r, rounds=rounds,
-                                   count_fixed_response=count_fixed_response)
+        input_ids = torch.as_tensor(row["input_ids"], device=device)
+        example = example_fidelity(model, input_ids, p, prompt_idx, response_idx, direction, layer=routing_layer,
+                                   rho_p=rho_p, rho_r=rho_r, rounds=rounds, count_fixed_response=count_fixed_response)
         examples.append(example)
         curves.append(ranking_shift(example.beta, example.gamma, example.prompt_bias))
     if not examples:

@@ -90,11 +90,11 @@ class EvaluateUDF:
     def __init__(self, model_dir: str, max_length: int, max_new_tokens: int, batch_size: int, threads: int):
         import torch
 
-        from raycurate.models.loading import load_model, load_tokenizer
+        from raycurate.models.loading import best_device, load_model, load_tokenizer
 
         torch.set_num_threads(max(1, threads))
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_model(model_dir).eval()
+        self.model = load_model(model_dir, device=best_device()).eval()
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
@@ -176,9 +176,11 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
     gold_losses: list[float] = []
     with torch.no_grad():
         for start in range(0, len(token_rows), batch_size):
-            batch = pad_rows(token_rows[start:start + batch_size], tokenizer.pad_token_id)
+            device = next(model.parameters()).device
+            batch = {k: v.to(device) for k, v in pad_rows(token_rows[start:start + batch_size],
+                                                          tokenizer.pad_token_id).items()}
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-            gold_losses.extend(example_losses(logits, batch["input_ids"], batch["loss_mask"]).tolist())
+            gold_losses.extend(example_losses(logits, batch["input_ids"], batch["loss_mask"]).cpu().tolist())
     results = []
     for row, gen, loss in zip(rows, generated, gold_losses):
         text = tokenizer.decode(gen, skip_special_tokens=True)

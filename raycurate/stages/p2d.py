@@ -208,6 +208,8 @@ class IclProbeUDF:
 
         torch.set_num_threads(max(1, threads))
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            torch.set_flush_denormal(True)  # denormal arithmetic slows CPU forwards several-fold
         self.model = load_model(model_dir, dtype="float32", device=self.device).eval()
         self.tokenizer = load_tokenizer(model_dir)
         geometry = head_geometry(self.model.config)
@@ -423,10 +425,10 @@ class IfdUDF:
     def __init__(self, model_dir: str, threads: int):
         import torch
 
-        from raycurate.models.loading import load_model, load_tokenizer
+        from raycurate.models.loading import best_device, load_model, load_tokenizer
 
         torch.set_num_threads(max(1, threads))
-        self.model = load_model(model_dir, dtype="float32").eval()
+        self.model = load_model(model_dir, dtype="float32", device=best_device()).eval()
         tokenizer = load_tokenizer(model_dir)
         self.pad_id = tokenizer.pad_token_id or 0
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
@@ -446,10 +448,11 @@ class IfdUDF:
                   "loss_mask": [0] * len(self.bos) + [1] * (len(r["input_ids"]) - r["prompt_len"])} for r in rows]
         losses = []
         with torch.no_grad():
+            device = next(self.model.parameters()).device
             for table in (cond, alone):
-                padded = pad_rows(table, self.pad_id)
+                padded = {k: v.to(device) for k, v in pad_rows(table, self.pad_id).items()}
                 logits = self.model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
-                losses.append(example_losses(logits.float(), padded["input_ids"], padded["loss_mask"]))
+                losses.append(example_losses(logits.float(), padded["input_ids"], padded["loss_mask"]).cpu())
         return batch.append_column("ifd", pa.array(ifd_scores(losses[0], losses[1]).tolist(), type=pa.float64()))
 
 

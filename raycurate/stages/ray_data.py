@@ -29,6 +29,8 @@ class ActorPoolConfig:
         None, "GPUs per actor; null means 1 when the cluster has GPUs, else 0 (CPU actors)."
     )
     batch_size: int = option(64, "Rows per batch handed to an actor.")
+    shard_rows: int = option(1024, "Rows per resumable shard (stages on raycurate.stages.sharded: a killed job "
+                             "recomputes only unfinished shards).")
 
 
 @dataclasses.dataclass(frozen=True)

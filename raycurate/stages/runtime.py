@@ -31,6 +31,7 @@ def init_ray(
     num_cpus: int | None = None,
     temp_dir: str | None = None,
     object_store_memory: int | None = None,
+    spill_dir: str | None = None,
 ) -> Any:
     """Start (or connect to) Ray once per process.
 
@@ -39,6 +40,8 @@ def init_ray(
         num_cpus: CPUs for a local instance (default: all cores).
         temp_dir: Ray session directory for a local instance (default ``/tmp/ray``).
         object_store_memory: Object store size in bytes for a local instance.
+        spill_dir: Where a local instance spills objects that do not fit in the object store (default: Ray's,
+            under the session folder); on a cluster set ``RAY_object_spilling_directory`` on every node.
 
     Returns:
         The ``ray`` module, initialised.
@@ -69,6 +72,11 @@ def init_ray(
             kwargs["_temp_dir"] = os.path.abspath(temp_dir)
         if object_store_memory is not None:
             kwargs["object_store_memory"] = object_store_memory
+        if spill_dir is not None:
+            import json
+
+            spilling = {"type": "filesystem", "params": {"directory_path": os.path.abspath(spill_dir)}}
+            kwargs["_system_config"] = {"object_spilling_config": json.dumps(spilling)}
     else:
         kwargs["address"] = address
     ray.init(**kwargs)

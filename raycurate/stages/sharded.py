@@ -1,0 +1,510 @@
+"""Fault-tolerant, shard-resumable map over a parquet input (scoring-style stages at millions of rows).
+
+The input (one parquet file, or a folder of them read in file-name order) is cut into shards of ``shard_rows``
+consecutive rows by global row index.  A pool of Ray actors, each holding one ``udf_cls(**ctor_kwargs)``, reads
+its shard's rows straight from the input files, applies the UDF and writes, atomically (temp file +
+``os.replace``)::
+
+    <out_dir>/shards/part-00000.parquet   the UDF output plus a ``row_index`` column (global input row index)
+    <out_dir>/shards/part-00000.done      {"shard", "rows", "input_rows": [start, stop], "sha256", "plan", ...}
+
+A marker is written only after its part file is in place, so a marker means a complete part.  A re-run skips
+every shard whose marker is valid (same plan key, same row range, part file present with the recorded sha256)
+and recomputes the rest; the plan key covers the input files (name, rows, size, mtime), ``shard_rows`` and the
+UDF with its constructor arguments, so a changed input or UDF recomputes everything.  At the end the parts must
+cover every input row exactly once, in order, or :class:`ShardCoverageError` is raised.
+
+Failures: actors restart up to ``max_restarts`` times (a crashed worker process), and a shard task is retried up
+to ``max_task_retries`` times, on an exception raised by the UDF as well as after a crash.  The driver keeps at
+most two shards in flight per actor and receives only the small marker dicts, so its memory does not grow with
+the input.
+
+The UDF contract: ``udf(table: pyarrow.Table) -> pyarrow.Table`` with exactly one output row per input row, in
+input order (a scorer appends columns).  Output order and content are therefore independent of which actor ran
+which shard, and a resumed run's parts equal an uninterrupted run's, row by row.
+
+Resume across a killed job needs ``out_dir`` outside :func:`~raycurate.stages.base.run_stage`'s temporary stage
+folder (which a failed stage deletes): :func:`sharded_stage` keeps the shards in the stage's scratch folder and
+moves them into the stage folder when every shard is done.  ``out_dir`` must be on a filesystem every actor can
+write (a local path on one machine; a shared POSIX mount such as NFS/EFS/FSx on a cluster).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from raycurate.rundir import RunDir, atomic_write_json
+from raycurate.stages.base import StageOutput, run_stage, scratch_dir
+
+log = logging.getLogger("raycurate")
+
+ROW_INDEX = "row_index"
+SHARDS_DIR = "shards"
+_IN_FLIGHT_PER_ACTOR = 2  # one running, one queued: the actor never waits for the driver
+
+
+class ShardCoverageError(RuntimeError):
+    """The shard outputs do not account for every input row exactly once."""
+
+
+class ShardFailed(RuntimeError):
+    """A shard still failed after every retry; completed shards are kept, so a re-run resumes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InputFile:
+    """One parquet input file and its row count (from the footer, no data read)."""
+
+    path: str
+    rows: int
+    size: int
+    mtime_ns: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Rows ``[start, stop)`` of the input, in global row-index order."""
+
+    index: int
+    start: int
+    stop: int
+
+    @property
+    def name(self) -> str:
+        return f"part-{self.index:05d}"
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Planning (driver)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def list_input_files(input_path: str | os.PathLike) -> list[InputFile]:
+    """The parquet files of ``input_path`` in read order, with row counts.
+
+    Args:
+        input_path: A parquet file, or a folder whose ``*.parquet`` files (hidden ones excluded) are read in
+            file-name order.
+
+    Raises:
+        FileNotFoundError: The path does not exist or the folder holds no parquet file.
+    """
+    import pyarrow.parquet as pq
+
+    path = Path(input_path)
+    if path.is_dir():
+        paths = sorted(p for p in path.glob("*.parquet") if not p.name.startswith((".", "_")))
+        if not paths:
+            raise FileNotFoundError(f"no parquet files in {path}; pass a parquet file or a folder of them")
+    elif path.is_file():
+        paths = [path]
+    else:
+        raise FileNotFoundError(f"sharded_map input {path} does not exist")
+    files = []
+    for p in paths:
+        stat = p.stat()
+        files.append(InputFile(str(p.resolve()), pq.ParquetFile(p).metadata.num_rows, stat.st_size, stat.st_mtime_ns))
+    return files
+
+
+def plan_shards(total_rows: int, shard_rows: int) -> list[Shard]:
+    """Cut ``total_rows`` rows into consecutive shards of ``shard_rows`` (the last one may be shorter)."""
+    if shard_rows < 1:
+        raise ValueError(f"shard_rows must be >= 1, got {shard_rows}")
+    return [Shard(k, start, min(start + shard_rows, total_rows))
+            for k, start in enumerate(range(0, total_rows, shard_rows))]
+
+
+def plan_key(files: list[InputFile], shard_rows: int, udf_cls: type, ctor_kwargs: dict) -> str:
+    """Hash of everything that fixes the shard outputs: input files, shard size, UDF and its arguments."""
+    payload = {
+        "files": [[os.path.basename(f.path), f.rows, f.size, f.mtime_ns] for f in files],
+        "shard_rows": shard_rows,
+        "udf": f"{udf_cls.__module__}.{udf_cls.__qualname__}",
+        "ctor_kwargs": ctor_kwargs,
+    }
+    text = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shard I/O (actors and driver)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def read_row_range(files: list[InputFile], start: int, stop: int) -> Any:
+    """Rows ``[start, stop)`` of the concatenated input files as one ``pyarrow.Table``.
+
+    Only the row groups that overlap the range are read.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pieces = []
+    file_start = 0
+    for f in files:
+        file_stop = file_start + f.rows
+        lo, hi = max(start, file_start), min(stop, file_stop)
+        if lo < hi:
+            pieces.append(_read_file_range(pq.ParquetFile(f.path), lo - file_start, hi - file_start))
+        file_start = file_stop
+    if not pieces:
+        raise ValueError(f"row range [{start}, {stop}) is outside the input ({file_start} rows)")
+    return pa.concat_tables(pieces, promote_options="permissive") if len(pieces) > 1 else pieces[0]
+
+
+def _read_file_range(parquet: Any, lo: int, hi: int) -> Any:
+    """Rows ``[lo, hi)`` of one parquet file, reading only the overlapping row groups."""
+    groups, first_row, offset = [], None, 0
+    for g in range(parquet.metadata.num_row_groups):
+        n = parquet.metadata.row_group(g).num_rows
+        if offset < hi and offset + n > lo:
+            groups.append(g)
+            first_row = offset if first_row is None else first_row
+        offset += n
+    table = parquet.read_row_groups(groups)
+    return table.slice(lo - first_row, hi - lo)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def part_path(shards_dir: str | os.PathLike, shard: Shard) -> Path:
+    return Path(shards_dir) / f"{shard.name}.parquet"
+
+
+def marker_path(shards_dir: str | os.PathLike, shard: Shard) -> Path:
+    return Path(shards_dir) / f"{shard.name}.done"
+
+
+def part_files(shards_dir: str | os.PathLike) -> list[Path]:
+    """The part files of a finished map, in row order (what a downstream stage reads)."""
+    return sorted(Path(shards_dir).glob("part-*.parquet"))
+
+
+def read_marker(shards_dir: str | os.PathLike, shard: Shard) -> dict | None:
+    """The shard's completion marker, or None when absent or unreadable."""
+    try:
+        return json.loads(marker_path(shards_dir, shard).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def marker_is_valid(shards_dir: str | os.PathLike, shard: Shard, key: str) -> bool:
+    """True when the shard's marker matches this plan and its part file is there with the recorded checksum."""
+    marker = read_marker(shards_dir, shard)
+    if marker is None or marker.get("plan") != key or marker.get("input_rows") != [shard.start, shard.stop]:
+        return False
+    part = part_path(shards_dir, shard)
+    return part.exists() and marker.get("rows") == shard.rows and marker.get("sha256") == file_sha256(part)
+
+
+def write_shard(shards_dir: str | os.PathLike, shard: Shard, table: Any, key: str, seconds: float) -> dict:
+    """Write a shard's part file, then its marker, each atomically; return the marker."""
+    import pyarrow.parquet as pq
+
+    final = part_path(shards_dir, shard)
+    # A retried task may race an earlier attempt of the same shard: each writes its own temp name.
+    tmp = final.with_name(f".{final.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    marker = {"shard": shard.index, "rows": table.num_rows, "input_rows": [shard.start, shard.stop],
+              "sha256": file_sha256(final), "plan": key, "seconds": round(seconds, 3), "pid": os.getpid(),
+              "finished": time.time()}
+    atomic_write_json(marker_path(shards_dir, shard), marker)
+    return marker
+
+
+def with_row_index(table: Any, shard: Shard) -> Any:
+    """Append ``row_index`` (global input row indices of the shard); check it when the UDF already kept one."""
+    import numpy as np
+    import pyarrow as pa
+
+    expected = np.arange(shard.start, shard.stop, dtype=np.int64)
+    if ROW_INDEX in table.column_names:
+        if not np.array_equal(table[ROW_INDEX].to_numpy(), expected):
+            raise ShardCoverageError(f"shard {shard.name}: the UDF output has a '{ROW_INDEX}' column that is not "
+                                     f"[{shard.start}, {shard.stop}); the UDF must keep rows in input order")
+        return table
+    return table.append_column(ROW_INDEX, pa.array(expected, type=pa.int64()))
+
+
+def apply_udf(udf: Any, table: Any, batch_rows: int | None) -> Any:
+    """``udf`` over ``table`` (whole, or in ``batch_rows`` slices), checking one output row per input row."""
+    import pyarrow as pa
+
+    step = batch_rows or max(table.num_rows, 1)
+    outputs = []
+    for offset in range(0, table.num_rows, step):
+        batch = table.slice(offset, step)
+        out = udf(batch)
+        if out.num_rows != batch.num_rows:
+            raise ValueError(f"{type(udf).__name__} returned {out.num_rows} rows for a batch of {batch.num_rows}; "
+                             "a sharded_map UDF must return exactly one row per input row, in order")
+        outputs.append(out)
+    if not outputs:
+        return udf(table)
+    return pa.concat_tables(outputs) if len(outputs) > 1 else outputs[0]
+
+
+class ShardWorker:
+    """Actor body: builds the UDF once, then reads, maps and writes whole shards.
+
+    Args:
+        udf_cls: Callable class ``udf_cls(**ctor_kwargs)(table) -> table``.
+        ctor_kwargs: Its constructor arguments.
+        files: The input files (same list the driver planned with).
+        shards_dir: Output folder of the part files and markers.
+        key: The plan key written into every marker.
+        batch_rows: Rows per UDF call (None: the whole shard in one call).
+    """
+
+    def __init__(self, udf_cls: type, ctor_kwargs: dict, files: list[InputFile], shards_dir: str, key: str,
+                 batch_rows: int | None = None):
+        self.udf = udf_cls(**ctor_kwargs)
+        self.files = files
+        self.shards_dir = shards_dir
+        self.key = key
+        self.batch_rows = batch_rows
+
+    def process(self, shard: Shard) -> dict:
+        """Map one shard and write it; returns the marker (a small dict: the driver never sees the rows)."""
+        started = time.perf_counter()
+        table = read_row_range(self.files, shard.start, shard.stop)
+        out = with_row_index(apply_udf(self.udf, table, self.batch_rows), shard)
+        return write_shard(self.shards_dir, shard, out, self.key, time.perf_counter() - started)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Resume bookkeeping and the final check (driver)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def prepare_shards_dir(shards_dir: Path, shards: list[Shard], key: str) -> set[int]:
+    """Create the folder, drop temp files, stale parts and invalid markers; return the indices already done."""
+    shards_dir.mkdir(parents=True, exist_ok=True)
+    done = set()
+    for shard in shards:
+        if marker_is_valid(shards_dir, shard, key):
+            done.add(shard.index)
+        else:
+            marker_path(shards_dir, shard).unlink(missing_ok=True)
+    planned = {s.name for s in shards}
+    for path in shards_dir.iterdir():
+        stem = path.name.split(".")[0]
+        if path.name.startswith(".") or (stem.startswith("part-") and stem not in planned):
+            path.unlink()
+    return done
+
+
+def verify_coverage(shards_dir: str | os.PathLike, shards: list[Shard], total_rows: int) -> None:
+    """Check that the parts hold every input row exactly once, in order (reads only the ``row_index`` column).
+
+    Raises:
+        ShardCoverageError: A row is missing, duplicated or out of place, naming the shard.
+    """
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    expected_start = 0
+    for shard in shards:
+        if shard.start != expected_start:
+            raise ShardCoverageError(f"shard plan has a gap or overlap at row {expected_start} ({shard.name})")
+        path = part_path(shards_dir, shard)
+        if not path.exists() or read_marker(shards_dir, shard) is None:
+            raise ShardCoverageError(f"{path} or its .done marker is missing; re-run to compute the shard")
+        index = pq.read_table(path, columns=[ROW_INDEX])[ROW_INDEX].to_numpy()
+        if not np.array_equal(index, np.arange(shard.start, shard.stop)):
+            raise ShardCoverageError(f"{path} does not hold exactly input rows [{shard.start}, {shard.stop}) in "
+                                     f"order ({len(index)} rows); delete it and its marker and re-run")
+        expected_start = shard.stop
+    if expected_start != total_rows:
+        raise ShardCoverageError(f"shards cover rows [0, {expected_start}) of {total_rows}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The map
+# ----------------------------------------------------------------------------------------------------------
+
+
+def sharded_map(
+    input_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    udf_cls: type,
+    ctor_kwargs: dict,
+    *,
+    shard_rows: int,
+    num_actors: int,
+    num_cpus_per_actor: float,
+    num_gpus_per_actor: float = 0,
+    max_restarts: int = 3,
+    max_task_retries: int = 3,
+    batch_rows: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Map ``udf_cls`` over a parquet input shard by shard on a Ray actor pool, resuming finished shards.
+
+    Ray must already be initialised (:func:`raycurate.stages.runtime.init_ray`).
+
+    Args:
+        input_path: Parquet file or folder of parquet files (read in file-name order).
+        out_dir: Output folder; parts and markers go to ``<out_dir>/shards/``.  Keep it between runs to resume.
+        udf_cls: Callable class ``udf_cls(**ctor_kwargs)(pyarrow.Table) -> pyarrow.Table``, one output row per
+            input row, in order.  Must be importable (or pickled by value) on the workers.
+        ctor_kwargs: Constructor arguments (JSON-able: they are part of the plan key).
+        shard_rows: Input rows per shard (the unit of resume).
+        num_actors: Actors in the pool (one UDF instance each).
+        num_cpus_per_actor: CPUs per actor.
+        num_gpus_per_actor: GPUs per actor.
+        max_restarts: Restarts of a crashed actor.
+        max_task_retries: Retries of a shard task (after a crash or a UDF exception).
+        batch_rows: Rows per UDF call inside a shard (None: the whole shard at once).
+        progress: Show a progress bar over shards.
+
+    Returns:
+        Metrics: ``{shards, shards_skipped, shards_computed, rows, rows_computed, seconds, rows_per_s, plan,
+        shards_dir}``.
+
+    Raises:
+        ShardFailed: A shard failed after all retries (finished shards stay; re-run to resume).
+        ShardCoverageError: The parts do not account for every input row exactly once.
+    """
+    import ray
+    from tqdm import tqdm
+
+    if num_actors < 1:
+        raise ValueError(f"num_actors must be >= 1, got {num_actors}")
+    if not ray.is_initialized():
+        raise RuntimeError("sharded_map needs a running Ray: call raycurate.stages.runtime.init_ray() first")
+    started = time.perf_counter()
+    files = list_input_files(input_path)
+    total_rows = sum(f.rows for f in files)
+    shards = plan_shards(total_rows, shard_rows)
+    key = plan_key(files, shard_rows, udf_cls, ctor_kwargs)
+    shards_dir = Path(out_dir) / SHARDS_DIR
+    done = prepare_shards_dir(shards_dir, shards, key)
+    todo = collections.deque(s for s in shards if s.index not in done)
+    log.info("sharded_map %s: %d rows, %d shards (%d done, %d to compute), %d actors x (%.2f CPU, %.2f GPU)",
+             udf_cls.__name__, total_rows, len(shards), len(done), len(todo), num_actors, num_cpus_per_actor,
+             num_gpus_per_actor)
+
+    actor_cls = ray.remote(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor, max_restarts=max_restarts,
+                           max_task_retries=max_task_retries)(ShardWorker)
+    actors = [actor_cls.remote(udf_cls, ctor_kwargs, files, str(shards_dir), key, batch_rows)
+              for _ in range(min(num_actors, max(len(todo), 1)))] if todo else []
+    bar = tqdm(total=len(shards), initial=len(done), desc=f"{udf_cls.__name__} shards", unit="shard",
+               disable=not progress)
+    try:
+        _run_pool(actors, todo, bar)
+    finally:
+        bar.close()
+        for actor in actors:
+            ray.kill(actor)
+    verify_coverage(shards_dir, shards, total_rows)
+    seconds = time.perf_counter() - started
+    rows_computed = total_rows - sum(s.rows for s in shards if s.index in done)
+    return {"shards": len(shards), "shards_skipped": len(done), "shards_computed": len(shards) - len(done),
+            "rows": total_rows, "rows_computed": rows_computed, "seconds": round(seconds, 3),
+            "rows_per_s": round(rows_computed / seconds, 1) if seconds > 0 else 0.0, "plan": key,
+            "shards_dir": str(shards_dir)}
+
+
+def _run_pool(actors: list, todo: collections.deque, bar: Any) -> None:
+    """Keep every actor busy with up to ``_IN_FLIGHT_PER_ACTOR`` shards until ``todo`` is empty."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    in_flight: dict[Any, tuple[Shard, Any]] = {}
+
+    def submit(actor: Any) -> None:
+        shard = todo.popleft()
+        ref = actor.process.options(retry_exceptions=True).remote(shard)
+        in_flight[ref] = (shard, actor)
+
+    for _ in range(_IN_FLIGHT_PER_ACTOR):
+        for actor in actors:
+            if todo:
+                submit(actor)
+    while in_flight:
+        ready, _ = ray.wait(list(in_flight), num_returns=1)
+        shard, actor = in_flight.pop(ready[0])
+        try:
+            ray.get(ready[0])
+        except (RayActorError, RayTaskError) as exc:
+            raise ShardFailed(f"shard {shard.name} (input rows [{shard.start}, {shard.stop})) failed after all "
+                              "retries; finished shards are kept, so fix the cause and re-run to resume. "
+                              f"Cause: {exc}") from exc
+        bar.update(1)
+        if todo:
+            submit(actor)
+
+
+def sharded_stage(
+    run: RunDir,
+    stage: str,
+    input_path: str | os.PathLike,
+    udf_cls: type,
+    ctor_kwargs: dict,
+    *,
+    config: Any,
+    upstream: list[str],
+    force: bool = False,
+    **map_kwargs: Any,
+) -> dict:
+    """:func:`sharded_map` as a resumable run stage; outputs ``<stage>/shards`` (parts + markers).
+
+    Shards are computed in ``_scratch/<stage>/shards`` (which survives a killed job) and moved into the stage
+    folder once all are done, so a re-run after a kill recomputes only the unfinished shards.
+
+    Args:
+        run: The run directory.
+        stage: Stage name.
+        input_path: Parquet file or folder (usually an upstream stage's output).
+        udf_cls: See :func:`sharded_map`.
+        ctor_kwargs: See :func:`sharded_map`.
+        config: Everything that changes the result besides the UDF and input (hashed by ``run_stage``).
+        upstream: Stages whose outputs are read.
+        force: Re-run even when current (finished shards in scratch are still reused when the plan matches).
+        **map_kwargs: Keyword arguments of :func:`sharded_map` (``shard_rows``, ``num_actors``, ...).
+
+    Returns:
+        The stage's manifest record.
+    """
+    scratch = scratch_dir(run, stage)
+
+    def body(out: Path) -> StageOutput:
+        metrics = sharded_map(input_path, scratch, udf_cls, ctor_kwargs, **map_kwargs)
+        os.replace(scratch / SHARDS_DIR, out / SHARDS_DIR)
+        metrics["shards_dir"] = SHARDS_DIR
+        return StageOutput(outputs={"shards": SHARDS_DIR}, metrics=metrics)
+
+    record = run_stage(run, stage, body, config={"udf": f"{udf_cls.__module__}.{udf_cls.__qualname__}",
+                                                 "ctor_kwargs": ctor_kwargs, "config": config,
+                                                 "shard_rows": map_kwargs.get("shard_rows")},
+                       upstream=upstream, force=force)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return record
