@@ -1,0 +1,943 @@
+"""BDS (bilevel data selection) on Ray Train, offline and with online BMO responses: theta and the data logits omega
+learned together.
+
+Run it::
+
+    from raycurate.config.train import TrainConfig
+    from raycurate.stages.bilevel_train import BDSSettings, run_bds
+    metrics = run_bds("runs/x/tokenize/candidates.parquet", "runs/x/tokenize/validation.parquet", "models/base",
+                      "runs/x/bds/model", TrainConfig(lr=5e-6, effective_batch_size=8), BDSSettings(),
+                      storage_dir="runs/x/ray_train", name="bds")
+
+The worker loop reuses the SFT stage's pieces (:mod:`raycurate.stages.train`: token tables, ``collate``, engines,
+sessions, checkpoints, ``export_hf``) and the pure math of :mod:`raycurate.algorithms.bilevel`.  One optimizer step k
+(paper eq. 5; SPEC §6):
+
+1. Sample a validation batch (``val_batch`` rows) and a candidate batch (``cand_batch`` rows) with generators seeded
+   by ``(seed, step)`` / ``(seed, epoch)`` -- the same global rows on every rank; rank r trains on the r-th equal
+   slice of each.
+2. theta step on ``L_val + gamma_k * mean_b(sigma_b l_b)``: one forward/backward over ``[val rows; cand rows]``
+   through the engine's per-example weighted loss (``sum_i w_i l_i / B``, B = val_batch + cand_batch), with
+   ``w = B / val_batch`` on validation rows and ``w = gamma_k sigma_i B / cand_batch`` on candidate rows.
+3. omega step: the candidates' losses at theta^{k+1} (a no-grad forward of the same rows after the step; variant
+   ``exact``) or at theta^k from step 2's forward (variant ``detached``, BIPOST's cheaper form); the
+   ``(index, loss)`` pairs of all ranks are all-gathered in rank order, and every rank applies the same float64
+   :func:`~raycurate.algorithms.bilevel.omega_gradient` + :func:`~raycurate.algorithms.bilevel.adam_update`, so
+   omega is bit-identical everywhere (checked at every checkpoint and at the end; a mismatch is an error).
+
+Decisions:
+
+* An epoch is one pass over the candidates: ``steps_per_epoch = N // cand_batch`` (the remainder waits for the next
+  epoch's permutation, as in SFT); gamma_k follows :func:`~raycurate.algorithms.bilevel.gamma_schedule` of that epoch.
+  Validation rows are drawn without replacement within a step, independently per step.
+* ``val_batch + cand_batch`` must equal ``train.effective_batch_size`` and each must be a multiple of the number of
+  workers, so the engines' micro-batch and accumulation arithmetic stays that of SFT.
+* Checkpoints hold the engine state, ``trainer_state.json`` and, written by rank 0, ``omega_state.npz`` (omega, its
+  Adam moments, the per-epoch omega history and a digest of the candidate ids) plus ``bds_state.json`` (per-step
+  curves); a resumed run restores omega bit for bit and continues with the same rows.
+* Outputs in ``output_dir``: the HF model (merged, plus ``adapter/``, when an adapter was trained), tokenizer files,
+  ``train_metrics.json`` and ``weights.parquet`` with one row per (candidate, snapshot): ``id``, ``omega``,
+  ``sigma``, ``rank`` (1 = largest weight; ties by id order), ``epoch`` and ``step`` of the snapshot.  Snapshots are
+  taken at the end of every epoch and after the last step.
+* Online BMO (Algorithm 1): a :class:`GenerationHook` returns G responses (with generation-time log-probs) for
+  the masked questions every ``generation_every`` steps; from then on a sampled masked question trains on them as
+  one slot -- loss ``1/G sum_g r_g l_g`` with importance weights ``r`` (``importance``: per-token clipped ratio or
+  per-question self-normalised, :func:`~raycurate.algorithms.bilevel.grouped_response_losses`), slot weight
+  ``gamma_k sigma_i B / cand_batch`` (eq. 9, 10a) -- and the omega step uses the unweighted mean of its
+  responses' losses (eq. 10c).  The masked set is the set of questions of the latest generation round (fixed or
+  dynamic is the hook's choice); the responses are checkpointed (``online_responses.parquet``).  Labels are
+  shifted once (``token_losses``) and the response mask starts after the candidate's own prompt tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from raycurate.algorithms import bilevel
+from raycurate.config.train import TrainConfig
+from raycurate.models.adapters import apply_adapter, trainable_parameters
+from raycurate.stages.deepspeed_config import grad_accum_steps
+from raycurate.stages.train import (
+    METRICS_FILE,
+    TRAINER_STATE_FILE,
+    RaySession,
+    TokenTable,
+    TrainSession,
+    TrainState,
+    _all_reduce_sum,
+    _metrics,
+    _should_checkpoint,
+    _to_device,
+    _use_bf16,
+    _worker_env,
+    build_engine,
+    collate,
+    epoch_order,
+    export_hf,
+    load_model,
+    load_token_table,
+)
+
+logger = logging.getLogger(__name__)
+
+OMEGA_STATE_FILE = "omega_state.npz"
+ONLINE_STATE_FILE = "online_responses.parquet"
+BDS_STATE_FILE = "bds_state.json"
+WEIGHTS_FILE = "weights.parquet"
+
+
+@dataclass
+class BDSSettings:
+    """Bilevel settings of one BDS run (theta's own settings live in :class:`TrainConfig`; paper lr 5e-6).
+
+    Attributes:
+        omega_lr: Step size of the data logits (paper: Adam, 1e-4).
+        omega_optimizer: ``"adam"`` (paper) or ``"sgd"`` (keeps the loss magnitude, see ``bilevel.sgd_update``).
+        omega_betas: Adam betas of the data logits.
+        omega_eps: Adam eps of the data logits.
+        rho0: rho of epoch 0; gamma = rho / (1 - rho).
+        rho_step: rho added after every epoch.
+        rho_max: Cap on rho.
+        val_batch: Validation rows per optimizer step (all workers).
+        cand_batch: Candidate rows per optimizer step (all workers); val_batch + cand_batch = effective batch.
+        variant: ``"exact"`` (omega sees candidate losses at theta^{k+1}) or ``"detached"`` (at theta^k).
+        seed: Seed of the row sampling.
+        generation_every: K_gen for online BMO (needs a generation hook); None = offline.
+        importance: Importance weights of generated responses: ``"clip"`` (per token) or ``"self_normalize"``.
+        importance_clip: Ratio bound of ``"clip"`` (ratios are truncated to [1/clip, clip]).
+    """
+
+    omega_lr: float = 1e-4
+    omega_optimizer: str = "adam"
+    omega_betas: tuple[float, float] = (0.9, 0.999)
+    omega_eps: float = 1e-8
+    rho0: float = 0.1
+    rho_step: float = 0.1
+    rho_max: float = 0.9
+    val_batch: int = 4
+    cand_batch: int = 4
+    variant: str = "exact"
+    seed: int = 0
+    generation_every: int | None = None
+    importance: str = "clip"
+    importance_clip: float = 2.0
+
+
+@dataclass
+class BDSJob:
+    """Everything a worker needs (pickled to the Ray Train workers)."""
+
+    candidate_table: str
+    validation_table: str
+    init_model: str
+    output_dir: str
+    cfg: TrainConfig
+    bds: BDSSettings = field(default_factory=BDSSettings)
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    adapter: dict[str, Any] | None = None
+
+
+class GenerationHook(Protocol):
+    """Online BMO extension point (Algorithm 1, lines 5-7), called on every rank before 0-based step ``s`` when
+    ``(s + 1) % bds.generation_every == 0`` (the paper's ``k mod K_gen = 0`` with ``k = s + 1``).
+
+    An implementation picks the masked questions (:func:`~raycurate.algorithms.bilevel.masked_questions_fixed`, or
+    ``masked_questions_dynamic(data_weights(omega), R)``), builds their requests with :func:`generation_requests`,
+    asks the generation actor pool (:mod:`raycurate.stages.generation`) for G responses each from the current
+    policy (``module``: save its adapter where the actors can read it) and returns the pool's rows
+    (``question_id``, ``response_ids``, ``token_logprobs``, ...) -- the same rows on every rank, e.g. generated on
+    rank 0 and shared with :func:`broadcast_from_rank0` -- or None to keep the previous responses.  The loop then
+    trains every masked question on its latest responses (eq. 9-10); see :class:`OnlineResponses`.
+    """
+
+    def __call__(self, step: int, omega: np.ndarray, module: Any) -> list[dict] | None:
+        """Generate for the masked questions; return the generation pool's rows or None."""
+
+
+# --------------------------------------------------------------------------------------------- schedule
+
+
+def check_bds_batches(cfg: TrainConfig, bds: BDSSettings, world_size: int) -> int:
+    """Validate the batch arithmetic; returns gradient-accumulation micro-steps per optimizer step.
+
+    Raises:
+        ValueError: With the settings to change when the batches do not tile the workers and micro-batches.
+    """
+    if bds.variant not in bilevel.OMEGA_VARIANTS:
+        raise ValueError(f"bds.variant={bds.variant!r} is unknown; use one of {bilevel.OMEGA_VARIANTS}.")
+    if bds.omega_optimizer not in bilevel.OMEGA_OPTIMIZERS:
+        raise ValueError(f"bds.omega_optimizer={bds.omega_optimizer!r} is unknown; use one of "
+                         f"{bilevel.OMEGA_OPTIMIZERS}.")
+    if bds.importance not in bilevel.IMPORTANCE_MODES:
+        raise ValueError(f"bds.importance={bds.importance!r} is unknown; use one of {bilevel.IMPORTANCE_MODES}.")
+    if bds.generation_every is not None and bds.generation_every < 1:
+        raise ValueError(f"bds.generation_every={bds.generation_every} must be >= 1 (or null for offline BDS).")
+    if bds.val_batch < 1 or bds.cand_batch < 1:
+        raise ValueError(f"bds.val_batch={bds.val_batch} and bds.cand_batch={bds.cand_batch} must both be >= 1.")
+    if bds.val_batch + bds.cand_batch != cfg.effective_batch_size:
+        raise ValueError(
+            f"bds.val_batch + bds.cand_batch = {bds.val_batch} + {bds.cand_batch} must equal "
+            f"train.effective_batch_size={cfg.effective_batch_size} (one BDS step trains on both batches); "
+            "change one side."
+        )
+    if bds.val_batch % world_size or bds.cand_batch % world_size:
+        raise ValueError(
+            f"bds.val_batch={bds.val_batch} and bds.cand_batch={bds.cand_batch} must be multiples of "
+            f"num_workers={world_size} so every rank trains on an equal slice of each."
+        )
+    return grad_accum_steps(cfg, world_size)
+
+
+def bds_steps_per_epoch(num_candidates: int, cand_batch: int) -> int:
+    """Optimizer steps in one pass over the candidates.
+
+    Raises:
+        ValueError: When there are fewer candidates than one candidate batch.
+    """
+    steps = num_candidates // cand_batch
+    if steps == 0:
+        raise ValueError(f"The candidate table has {num_candidates} rows, fewer than bds.cand_batch={cand_batch}; "
+                         "lower cand_batch or add candidates.")
+    return steps
+
+
+def bds_total_steps(num_candidates: int, cfg: TrainConfig, bds: BDSSettings) -> int:
+    """Optimizer steps of the run: ``epochs * steps_per_epoch``, capped by ``max_steps``."""
+    steps = cfg.epochs * bds_steps_per_epoch(num_candidates, bds.cand_batch)
+    return steps if cfg.max_steps is None else min(steps, cfg.max_steps)
+
+
+def step_rows(step: int, num_val: int, num_cand: int, bds: BDSSettings) -> tuple[np.ndarray, np.ndarray]:
+    """The global validation and candidate rows of optimizer step ``step`` (a pure function of seed and step).
+
+    Returns:
+        (val_batch,) validation row indices and (cand_batch,) candidate row indices.
+    """
+    per_epoch = bds_steps_per_epoch(num_cand, bds.cand_batch)
+    epoch, s = divmod(step, per_epoch)
+    cand = epoch_order(num_cand, bds.seed, epoch)[s * bds.cand_batch:(s + 1) * bds.cand_batch]
+    val = np.random.default_rng([bds.seed, 1, step]).choice(num_val, bds.val_batch, replace=num_val < bds.val_batch)
+    return val.astype(np.int64), cand.astype(np.int64)
+
+
+def rank_slice(rows: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """Rank ``rank``'s contiguous equal share of ``rows`` (len(rows) must be a multiple of world_size)."""
+    return rows.reshape(world_size, -1)[rank]
+
+
+def stack_tables(first: TokenTable, second: TokenTable) -> TokenTable:
+    """One table holding ``first``'s rows, then ``second``'s (row ``len(first) + j`` is ``second``'s row j)."""
+    return TokenTable(
+        ids=np.concatenate([first.ids, second.ids]),
+        token_values=np.concatenate([first.token_values, second.token_values]),
+        mask_values=np.concatenate([first.mask_values, second.mask_values]),
+        offsets=np.concatenate([first.offsets, second.offsets[1:] + first.offsets[-1]]),
+        weights=np.concatenate([first.weights, second.weights]),
+    )
+
+
+def ids_digest(ids: np.ndarray) -> str:
+    """sha256 of the candidate ids in table order (ties a checkpoint's omega to its candidate table)."""
+    return hashlib.sha256("\n".join(str(i) for i in ids).encode("utf-8")).hexdigest()
+
+
+def omega_digest(omega: np.ndarray) -> str:
+    """First 13 hex digits of sha256 over omega's float64 bytes (fits a float64 exactly for all-gathering)."""
+    return hashlib.sha256(np.ascontiguousarray(omega, dtype=np.float64).tobytes()).hexdigest()[:13]
+
+
+# --------------------------------------------------------------------------------------------- state
+
+
+@dataclass
+class OmegaState:
+    """The data logits and everything needed to continue updating them.
+
+    Attributes:
+        omega: (N,) float64 data logits.
+        adam: Adam moments of omega.
+        history: (S, N) omega snapshots (end of each epoch, and after the last step).
+        history_epoch: (S,) epoch of each snapshot.
+        history_step: (S,) optimizer steps done at each snapshot.
+    """
+
+    omega: np.ndarray
+    adam: bilevel.AdamState
+    history: np.ndarray
+    history_epoch: np.ndarray
+    history_step: np.ndarray
+
+    @classmethod
+    def fresh(cls, n: int) -> OmegaState:
+        """omega = 0 (uniform weights 1), zero moments, no snapshots."""
+        return cls(np.zeros(n), bilevel.AdamState.zeros(n), np.zeros((0, n)), np.zeros(0, np.int64),
+                   np.zeros(0, np.int64))
+
+    def snapshot(self, epoch: int, step: int) -> OmegaState:
+        """A copy with the current omega appended to the history."""
+        return dataclasses.replace(
+            self,
+            history=np.concatenate([self.history, self.omega[None, :]]),
+            history_epoch=np.append(self.history_epoch, epoch),
+            history_step=np.append(self.history_step, step),
+        )
+
+
+@dataclass
+class BDSCurves:
+    """Per-step curves that survive a resume (``bds_state.json``)."""
+
+    gamma_per_step: list[float] = field(default_factory=list)
+    val_loss_per_step: list[float] = field(default_factory=list)
+    cand_loss_per_step: list[float] = field(default_factory=list)
+    omega_loss_per_step: list[float] = field(default_factory=list)
+    online_questions_per_step: list[int] = field(default_factory=list)
+    generation_steps: list[int] = field(default_factory=list)
+
+
+def save_omega_state(path: str, state: OmegaState, candidate_digest: str) -> None:
+    """Write ``state`` as an ``.npz`` (float64, exact)."""
+    np.savez(path, omega=state.omega, exp_avg=state.adam.exp_avg, exp_avg_sq=state.adam.exp_avg_sq,
+             adam_step=np.int64(state.adam.step), history=state.history, history_epoch=state.history_epoch,
+             history_step=state.history_step, candidate_digest=np.array(candidate_digest))
+
+
+def load_omega_state(path: str, candidate_digest: str) -> OmegaState:
+    """Read an ``omega_state.npz``.
+
+    Raises:
+        ValueError: When the checkpoint was written for a different candidate table.
+    """
+    with np.load(path) as data:
+        if str(data["candidate_digest"]) != candidate_digest:
+            raise ValueError(
+                f"{path} holds data logits for a different candidate table (ids differ); resume with the same "
+                "candidates or delete the run's storage directory to start from scratch."
+            )
+        adam = bilevel.AdamState(int(data["adam_step"]), data["exp_avg"].copy(), data["exp_avg_sq"].copy())
+        return OmegaState(data["omega"].copy(), adam, data["history"].copy(), data["history_epoch"].copy(),
+                          data["history_step"].copy())
+
+
+def weights_table(ids: np.ndarray, state: OmegaState) -> Any:
+    """``weights.parquet`` rows: one per (candidate, snapshot) with id, omega, sigma, rank, epoch, step."""
+    import pyarrow as pa
+
+    n = len(ids)
+    columns: dict[str, list[np.ndarray]] = {k: [] for k in ("omega", "sigma", "rank", "epoch", "step")}
+    for omega, epoch, step in zip(state.history, state.history_epoch, state.history_step):
+        sigma = bilevel.data_weights(omega)
+        order = np.argsort(-sigma, kind="stable")
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(1, n + 1)
+        columns["omega"].append(omega)
+        columns["sigma"].append(sigma)
+        columns["rank"].append(rank)
+        columns["epoch"].append(np.full(n, epoch, dtype=np.int64))
+        columns["step"].append(np.full(n, step, dtype=np.int64))
+    snapshots = len(state.history)
+    return pa.table({
+        "id": pa.array(np.tile(ids.astype(str), snapshots).tolist(), type=pa.string()),
+        "omega": pa.array(np.concatenate(columns["omega"]) if snapshots else [], type=pa.float64()),
+        "sigma": pa.array(np.concatenate(columns["sigma"]) if snapshots else [], type=pa.float64()),
+        "rank": pa.array(np.concatenate(columns["rank"]) if snapshots else [], type=pa.int64()),
+        "epoch": pa.array(np.concatenate(columns["epoch"]) if snapshots else [], type=pa.int64()),
+        "step": pa.array(np.concatenate(columns["step"]) if snapshots else [], type=pa.int64()),
+    })
+
+
+def write_weights(output_dir: str, ids: np.ndarray, state: OmegaState) -> str:
+    """Write ``weights.parquet`` into ``output_dir`` atomically; returns its path."""
+    import pyarrow.parquet as pq
+
+    path = os.path.join(output_dir, WEIGHTS_FILE)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    pq.write_table(weights_table(ids, state), tmp)
+    os.replace(tmp, path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- online responses
+
+
+GeneratedSequence = tuple[np.ndarray, np.ndarray, np.ndarray]  # input_ids (T,), loss_mask (T,), old_logp (T,)
+
+
+@dataclass
+class OnlineResponses:
+    """The latest generated responses of the masked questions (Algorithm 1, line 7: y_old and pi_old).
+
+    A candidate with an entry is a masked question: whenever it is sampled, it trains on these G sequences with
+    importance weights instead of its offline response, and its omega coefficient is their mean loss (eq. 9-10).
+
+    Attributes:
+        sequences: candidate row -> G ``(input_ids, loss_mask, old_logp)``: the candidate's prompt tokens followed
+            by the response tokens, 1 on the response, and the generation-time log-probs (0 on the prompt).
+        step: The step before which they were generated.
+    """
+
+    sequences: dict[int, list[GeneratedSequence]]
+    step: int
+
+
+def prompt_ids(table: TokenTable, row: int) -> np.ndarray:
+    """The prompt side of a token-table row: its tokens before the first supervised position.
+
+    Raises:
+        ValueError: When the row has no supervised token.
+    """
+    ids, mask = table.row(row)
+    supervised = np.flatnonzero(mask)
+    if supervised.size == 0:
+        raise ValueError(f"row {table.ids[row]!r} has no supervised token, so it has no response to regenerate")
+    return ids[:supervised[0]]
+
+
+def generation_requests(table: TokenTable, rows: np.ndarray) -> list[Any]:
+    """:class:`raycurate.stages.generation.GenerationRequest` for candidate rows (question id = example id)."""
+    from raycurate.stages.generation import GenerationRequest
+
+    return [GenerationRequest(str(table.ids[i]), prompt_ids(table, int(i)).tolist()) for i in rows]
+
+
+def online_from_rows(rows: list[dict], table: TokenTable, step: int) -> OnlineResponses:
+    """Turn the generation pool's rows into training sequences for the masked questions.
+
+    Args:
+        rows: Pool rows with ``question_id`` (a candidate id), ``response_ids`` and ``token_logprobs``.
+        table: The candidate token table.
+        step: Step of the generation.
+
+    Raises:
+        ValueError: For an unknown question id or log-probs not aligned with the response.
+    """
+    row_of = {str(i): r for r, i in enumerate(table.ids)}
+    sequences: dict[int, list[GeneratedSequence]] = {}
+    for item in rows:
+        question = str(item["question_id"])
+        if question not in row_of:
+            raise ValueError(f"generated response for unknown question {question!r}; question ids must be "
+                             "candidate ids (use generation_requests)")
+        response = np.asarray(item["response_ids"], dtype=np.int64)
+        logp = np.asarray(item["token_logprobs"], dtype=np.float32)
+        if response.size == 0 or logp.shape != response.shape:
+            raise ValueError(f"question {question!r}: {len(response)} response tokens but {len(logp)} log-probs; "
+                             "the pool must return one log-prob per generated token")
+        r = row_of[question]
+        prompt = prompt_ids(table, r)
+        ids = np.concatenate([prompt, response])
+        mask = np.concatenate([np.zeros(len(prompt), np.int8), np.ones(len(response), np.int8)])
+        old = np.concatenate([np.zeros(len(prompt), np.float32), logp])
+        sequences.setdefault(r, []).append((ids, mask, old))
+    return OnlineResponses(sequences, step)
+
+
+def save_online(path: str, online: OnlineResponses) -> None:
+    """Write the online responses as parquet (one row per sequence)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    flat = [(r, seq) for r in sorted(online.sequences) for seq in online.sequences[r]]
+    pq.write_table(pa.table({
+        "row": pa.array([r for r, _ in flat], type=pa.int64()),
+        "input_ids": pa.array([s[0].tolist() for _, s in flat], type=pa.list_(pa.int64())),
+        "loss_mask": pa.array([s[1].tolist() for _, s in flat], type=pa.list_(pa.int8())),
+        "old_logp": pa.array([s[2].tolist() for _, s in flat], type=pa.list_(pa.float32())),
+        "step": pa.array([online.step] * len(flat), type=pa.int64()),
+    }), path)
+
+
+def load_online(path: str) -> OnlineResponses:
+    """Read what :func:`save_online` wrote."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path).to_pydict()
+    sequences: dict[int, list[GeneratedSequence]] = {}
+    for r, ids, mask, old in zip(table["row"], table["input_ids"], table["loss_mask"], table["old_logp"]):
+        sequences.setdefault(int(r), []).append(
+            (np.asarray(ids, np.int64), np.asarray(mask, np.int8), np.asarray(old, np.float32)))
+    return OnlineResponses(sequences, int(table["step"][0]) if table["step"] else 0)
+
+
+def collate_slots(table: TokenTable, slots: list[Any], pad_id: int) -> dict[str, Any]:
+    """Batch of question slots: a table row (int) or a masked question's generated sequences.
+
+    Only table rows: exactly :func:`raycurate.stages.train.collate`.  With generated sequences the batch also
+    carries ``old_logp`` (R, T), ``generated`` (R,) and ``slot`` (R,), the slot of each of its R sequences.
+    """
+    import torch
+
+    if all(isinstance(slot, (int, np.integer)) for slot in slots):
+        return collate(table, np.asarray(slots, dtype=np.int64), pad_id)
+    seqs, slot_of, generated = [], [], []
+    for s, slot in enumerate(slots):
+        if isinstance(slot, (int, np.integer)):
+            ids, mask = table.row(int(slot))
+            items = [(ids, mask, np.zeros(len(ids), np.float32))]
+        else:
+            items = slot
+        seqs.extend(items)
+        slot_of.extend([s] * len(items))
+        generated.extend([not isinstance(slot, (int, np.integer))] * len(items))
+    width = max(len(ids) for ids, _, _ in seqs)
+    input_ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    attention = np.zeros((len(seqs), width), dtype=np.int64)
+    loss_mask = np.zeros((len(seqs), width), dtype=np.int8)
+    old_logp = np.zeros((len(seqs), width), dtype=np.float32)
+    for b, (ids, mask, old) in enumerate(seqs):
+        input_ids[b, :len(ids)], attention[b, :len(ids)] = ids, 1
+        loss_mask[b, :len(ids)], old_logp[b, :len(ids)] = mask, old
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(attention),
+        "loss_mask": torch.from_numpy(loss_mask),
+        "old_logp": torch.from_numpy(old_logp),
+        "generated": torch.tensor(generated),
+        "slot": torch.tensor(slot_of, dtype=torch.int64),
+        "weight": torch.ones(len(slots), dtype=torch.float32),
+    }
+
+
+# --------------------------------------------------------------------------------------------- one step
+
+
+@dataclass
+class StepContext:
+    """What one BDS step needs; built once per worker.
+
+    Attributes:
+        table: Validation rows ``[0, num_val)``, then candidate rows ``[num_val, num_val + num_cand)``.
+        online: Latest generated responses of the masked questions (online BMO), or None (offline BDS).
+    """
+
+    engine: Any
+    table: TokenTable
+    num_val: int
+    num_cand: int
+    cfg: TrainConfig
+    bds: BDSSettings
+    rank: int
+    world_size: int
+    device: Any
+    pad_id: int
+    accum: int
+    online: OnlineResponses | None = None
+
+
+@dataclass
+class StepStats:
+    """This rank's sums over one step (all-reduced by the loop)."""
+
+    loss_sum: float
+    val_loss_sum: float
+    cand_loss_sum: float
+    tokens: int
+    supervised: int
+    omega_loss_mean: float
+    gamma: float
+    online_slots: int
+
+
+class _LossRecorder:
+    """The SFT loss ``sum_s w_s l_s / S`` over question slots that also keeps each slot's detached plain loss.
+
+    A slot is one row (``l`` = its mean token loss) or, in a batch from :func:`collate_slots` with generated
+    sequences, a masked question (``l`` = its importance-weighted loss, the kept loss the unweighted mean).
+    """
+
+    def __init__(self, mode: str, clip: float) -> None:
+        self.mode, self.clip = mode, clip
+        self.per_slot: list[Any] = []
+
+    def __call__(self, logits: Any, batch: dict[str, Any]) -> Any:
+        from raycurate.algorithms.losses import example_losses, token_losses, weighted_batch_loss
+
+        if "slot" not in batch:
+            per_example = example_losses(logits, batch["input_ids"], batch["loss_mask"])  # (B,)
+            self.per_slot.append(per_example.detach().float().cpu())
+            return weighted_batch_loss(per_example, batch["weight"])
+        per_token = token_losses(logits, batch["input_ids"], batch["loss_mask"])  # (R, T)
+        weighted, plain = bilevel.grouped_response_losses(
+            per_token, batch["loss_mask"], batch["old_logp"], batch["generated"], batch["slot"],
+            len(batch["weight"]), self.mode, self.clip)  # (S,), (S,)
+        self.per_slot.append(plain.float().cpu())
+        return weighted_batch_loss(weighted, batch["weight"])
+
+    def losses(self) -> np.ndarray:
+        import torch
+
+        return torch.cat(self.per_slot).numpy()
+
+
+def no_grad_losses(ctx: StepContext, slots: list[Any]) -> np.ndarray:
+    """Plain losses of question slots under the current weights (eval mode, no graph), micro-batched.
+
+    Returns:
+        (len(slots),) float32 losses: a row's mean token loss, a masked question's mean over its responses.
+    """
+    import torch
+
+    module = ctx.engine.module
+    bf16 = bool(getattr(ctx.engine, "bf16", False))
+    recorder = _LossRecorder(ctx.bds.importance, ctx.bds.importance_clip)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            for lo in range(0, len(slots), ctx.cfg.micro_batch_size):
+                batch = _to_device(collate_slots(ctx.table, slots[lo:lo + ctx.cfg.micro_batch_size], ctx.pad_id),
+                                   ctx.device)
+                with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16):
+                    logits = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                recorder(logits, batch)
+    finally:
+        module.train(was_training)
+    return recorder.losses()
+
+
+def all_gather_pairs(idx: np.ndarray, losses: np.ndarray, device: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate every rank's (index, loss) pairs in rank order; identity without a process group.
+
+    Args:
+        idx: (b,) this rank's candidate indices (the same b on every rank).
+        losses: (b,) their losses.
+        device: Tensor device of the process group's backend.
+
+    Returns:
+        (world * b,) int64 indices and (world * b,) float64 losses, identical on every rank.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return np.asarray(idx, dtype=np.int64), np.asarray(losses, dtype=np.float64)
+    # float64 holds both exactly: indices < 2**53 and float32 losses.
+    mine = torch.tensor(np.stack([np.asarray(idx, np.float64), np.asarray(losses, np.float64)]), device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    both = torch.cat(parts, dim=1).cpu().numpy()  # (2, world * b)
+    return both[0].astype(np.int64), both[1]
+
+
+def candidate_slots(ctx: StepContext, cand: np.ndarray) -> list[Any]:
+    """Slots of candidate rows: the table row, or a masked question's generated responses."""
+    online = ctx.online.sequences if ctx.online is not None else {}
+    return [online.get(int(c), ctx.num_val + int(c)) for c in cand]
+
+
+def bds_step(ctx: StepContext, omega_state: OmegaState, step: int) -> tuple[OmegaState, StepStats]:
+    """One BDS step on this rank: theta step on the weighted loss, then the (identical) omega step.
+
+    Args:
+        ctx: Per-worker context.
+        omega_state: omega before the step (identical on every rank).
+        step: 0-based optimizer step.
+
+    Returns:
+        (omega state after the step, this rank's step statistics).
+    """
+    import torch
+
+    bds, per_epoch = ctx.bds, bds_steps_per_epoch(ctx.num_cand, ctx.bds.cand_batch)
+    gamma = bilevel.gamma_schedule(step // per_epoch, bds.rho0, bds.rho_step, bds.rho_max)
+    val, cand = step_rows(step, ctx.num_val, ctx.num_cand, bds)
+    my_val, my_cand = rank_slice(val, ctx.rank, ctx.world_size), rank_slice(cand, ctx.rank, ctx.world_size)
+    total = bds.val_batch + bds.cand_batch
+    sigma = bilevel.data_weights(omega_state.omega)
+    cand_slots = candidate_slots(ctx, my_cand)
+    slots = [int(v) for v in my_val] + cand_slots
+    weights = np.concatenate([np.full(len(my_val), total / bds.val_batch),
+                              gamma * sigma[my_cand] * total / bds.cand_batch]).astype(np.float32)
+
+    recorder, micro = _LossRecorder(bds.importance, bds.importance_clip), ctx.cfg.micro_batch_size
+    loss_sum, tokens, supervised = 0.0, 0, 0
+    for k in range(ctx.accum):
+        batch = collate_slots(ctx.table, slots[k * micro:(k + 1) * micro], ctx.pad_id)
+        batch["weight"] = torch.from_numpy(weights[k * micro:(k + 1) * micro])
+        tokens += int(batch["attention_mask"].sum())
+        supervised += int((batch["loss_mask"][:, 1:] != 0).sum())
+        loss = ctx.engine.train_micro_batch(_to_device(batch, ctx.device), recorder, is_boundary=k == ctx.accum - 1)
+        loss_sum += float(loss)
+    slot_losses = recorder.losses()  # (len(slots),) at theta^k
+    val_losses, cand_losses = slot_losses[:len(my_val)], slot_losses[len(my_val):]
+
+    # eq. 5b / 10c: omega's coefficient is the candidate loss at theta^{k+1} (exact) or at theta^k (detached).
+    omega_losses = no_grad_losses(ctx, cand_slots) if bds.variant == "exact" else cand_losses
+    all_idx, all_losses = all_gather_pairs(my_cand, omega_losses, ctx.device)
+    grad = bilevel.omega_gradient(omega_state.omega, all_idx, all_losses, gamma)
+    if bds.omega_optimizer == "sgd":
+        omega, adam = bilevel.sgd_update(omega_state.omega, grad, bds.omega_lr), omega_state.adam
+    else:
+        omega, adam = bilevel.adam_update(omega_state.omega, grad, omega_state.adam, lr=bds.omega_lr,
+                                          betas=tuple(bds.omega_betas), eps=bds.omega_eps)
+    stats = StepStats(loss_sum, float(val_losses.sum()), float(cand_losses.sum()), tokens, supervised,
+                      float(all_losses.mean()), gamma, sum(not isinstance(x, int) for x in cand_slots))
+    return dataclasses.replace(omega_state, omega=omega, adam=adam), stats
+
+
+# --------------------------------------------------------------------------------------------- loop
+
+
+@dataclass
+class LoopState:
+    """Everything a checkpoint restores besides the engine."""
+
+    train: TrainState
+    omega: OmegaState
+    curves: BDSCurves
+    online: OnlineResponses | None = None
+
+
+def _restore(engine: Any, session: TrainSession, n: int, digest: str) -> LoopState:
+    with session.restore_dir() as path:
+        if path is None:
+            return LoopState(TrainState(), OmegaState.fresh(n), BDSCurves())
+        engine.load(path)
+        with open(os.path.join(path, TRAINER_STATE_FILE)) as f:
+            train = TrainState(**json.load(f))
+        with open(os.path.join(path, BDS_STATE_FILE)) as f:
+            curves = BDSCurves(**json.load(f))
+        online_path = os.path.join(path, ONLINE_STATE_FILE)
+        online = load_online(online_path) if os.path.exists(online_path) else None
+        return LoopState(train, load_omega_state(os.path.join(path, OMEGA_STATE_FILE), digest), curves, online)
+
+
+def _save_checkpoint(engine: Any, session: TrainSession, loop: LoopState, digest: str,
+                     metrics: dict[str, Any]) -> None:
+    ckpt_dir = tempfile.mkdtemp(prefix=f"raycurate-bds-ckpt-r{session.rank}-")
+    engine.save(ckpt_dir, session.rank)
+    if session.rank == 0:
+        with open(os.path.join(ckpt_dir, TRAINER_STATE_FILE), "w") as f:
+            json.dump(dataclasses.asdict(loop.train), f)
+        with open(os.path.join(ckpt_dir, BDS_STATE_FILE), "w") as f:
+            json.dump(dataclasses.asdict(loop.curves), f)
+        save_omega_state(os.path.join(ckpt_dir, OMEGA_STATE_FILE), loop.omega, digest)
+        if loop.online is not None:
+            save_online(os.path.join(ckpt_dir, ONLINE_STATE_FILE), loop.online)
+    session.report(metrics, ckpt_dir if os.listdir(ckpt_dir) else None)
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (for a generation hook that generates on rank 0 only); identity alone."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gathered_omega_digests(omega: np.ndarray, device: Any) -> list[str]:
+    """Every rank's :func:`omega_digest`, in rank order (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = omega_digest(omega)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    tensor = torch.tensor([float(int(mine, 16))], dtype=torch.float64, device=device)
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor)
+    return [f"{int(p.item()):013x}" for p in parts]
+
+
+def _check_in_sync(digests: list[str], step: int) -> None:
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"omega diverged across workers at step {step} (digests {digests}); this is a bug in the "
+                           "BDS loop, please report it with the run's config.")
+
+
+def _bds_metrics(job: BDSJob, loop: LoopState, digests: list[str], start_step: int, run_steps: int,
+                 per_epoch: int, world: int, seconds: float, trainable: int) -> dict[str, Any]:
+    metrics = _metrics(job, loop.train, start_step, run_steps, per_epoch, world, seconds, trainable)
+    sigma = bilevel.data_weights(loop.omega.omega)
+    metrics.update({
+        "method": "bds_online" if loop.online is not None else "bds",
+        "variant": job.bds.variant,
+        **{k: list(v) for k, v in dataclasses.asdict(loop.curves).items()},
+        "masked_questions": len(loop.online.sequences) if loop.online is not None else 0,
+        "omega_digests": digests,
+        "sigma_min": float(sigma.min()),
+        "sigma_max": float(sigma.max()),
+    })
+    return metrics
+
+
+def _maybe_generate(hook: GenerationHook | None, ctx: StepContext, loop: LoopState, step: int,
+                    cand_table: TokenTable) -> None:
+    """Algorithm 1, lines 5-7: every K_gen steps, new responses (and pi_old) for the masked questions."""
+    every = ctx.bds.generation_every
+    if hook is None or not every or (step + 1) % every != 0:
+        return
+    rows = hook(step, loop.omega.omega.copy(), ctx.engine.module)
+    if rows is not None:
+        loop.online = ctx.online = online_from_rows(rows, cand_table, step)
+    loop.curves.generation_steps.append(step)
+
+
+def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: GenerationHook | None = None) -> dict:
+    """The per-worker BDS loop: build, restore, alternate theta and omega steps, checkpoint, export.
+
+    Args:
+        job: Inputs, outputs and settings.
+        session: Runtime (rank, world size, device, checkpoint restore/report).
+        generation_hook: Online BMO: called every ``bds.generation_every`` steps (see :class:`GenerationHook`).
+
+    Returns:
+        The final metrics (same on every rank; rank 0 also writes them and ``weights.parquet`` to ``output_dir``).
+    """
+    import torch
+
+    cfg, bds, device = job.cfg, job.bds, session.device
+    accum = check_bds_batches(cfg, bds, session.world_size)
+    torch.manual_seed(cfg.seed + session.rank)
+    val_table, cand_table = load_token_table(job.validation_table), load_token_table(job.candidate_table)
+    per_epoch = bds_steps_per_epoch(len(cand_table), bds.cand_batch)
+    run_steps = bds_total_steps(len(cand_table), cfg, bds)
+    bf16 = _use_bf16(cfg, device)
+    load_dtype = torch.bfloat16 if bf16 and cfg.engine == "deepspeed" and device.type == "cuda" else torch.float32
+    model = apply_adapter(load_model(job.init_model, load_dtype), job.adapter)
+    trainable = trainable_parameters(model)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    engine = build_engine(model, cfg, run_steps, device, bf16)
+    digest = ids_digest(cand_table.ids)
+    loop = _restore(engine, session, len(cand_table), digest)
+    state, curves = loop.train, loop.curves
+    if state.step > run_steps:
+        raise ValueError(f"the checkpoint being resumed is at step {state.step}, beyond this run's {run_steps} steps; "
+                         "raise train.max_steps, or delete the run's checkpoints to train from scratch")
+    ctx = StepContext(engine, stack_tables(val_table, cand_table), len(val_table), len(cand_table), cfg, bds,
+                      session.rank, session.world_size, device, pad_id, accum, loop.online)
+    start_step, started = state.step, time.perf_counter()
+    if session.rank == 0:
+        logger.info("BDS (%s): %d candidates, %d validation rows, %d steps/epoch, steps %d -> %d, world %d",
+                    bds.variant, len(cand_table), len(val_table), per_epoch, start_step, run_steps,
+                    session.world_size)
+
+    for step in range(start_step, run_steps):
+        _maybe_generate(generation_hook, ctx, loop, step, cand_table)
+        step_started, step_lr = time.perf_counter(), engine.lr()
+        loop.omega, stats = bds_step(ctx, loop.omega, step)
+        loss_sum, val_sum, cand_sum, tokens, supervised, online = _all_reduce_sum(
+            [stats.loss_sum, stats.val_loss_sum, stats.cand_loss_sum, stats.tokens, stats.supervised,
+             stats.online_slots], device)
+        state.step = step + 1
+        state.loss_per_step.append(loss_sum / (accum * session.world_size))
+        state.lr_per_step.append(step_lr)
+        state.tokens += int(tokens)
+        state.supervised_tokens += int(supervised)
+        state.examples += bds.val_batch + bds.cand_batch
+        state.seconds += time.perf_counter() - step_started
+        curves.gamma_per_step.append(stats.gamma)
+        curves.val_loss_per_step.append(val_sum / bds.val_batch)
+        curves.cand_loss_per_step.append(cand_sum / bds.cand_batch)
+        curves.omega_loss_per_step.append(stats.omega_loss_mean)
+        curves.online_questions_per_step.append(int(online))
+        if state.step % per_epoch == 0 or state.step == run_steps:
+            loop.omega = loop.omega.snapshot(step // per_epoch, state.step)
+        if session.rank == 0 and (state.step % cfg.log_every_steps == 0 or state.step == run_steps):
+            logger.info("step %d/%d loss %.4f val %.4f cand %.4f gamma %.3f", state.step, run_steps,
+                        state.loss_per_step[-1], curves.val_loss_per_step[-1], curves.cand_loss_per_step[-1],
+                        stats.gamma)
+        if _should_checkpoint(state.step, run_steps, per_epoch, cfg.checkpoint_every_steps):
+            digests = gathered_omega_digests(loop.omega.omega, device)
+            _check_in_sync(digests, state.step)
+            metrics = _bds_metrics(job, loop, digests, start_step, run_steps, per_epoch, session.world_size,
+                                   time.perf_counter() - started, trainable)
+            _save_checkpoint(engine, session, loop, digest, metrics)
+
+    digests = gathered_omega_digests(loop.omega.omega, device)
+    _check_in_sync(digests, state.step)
+    metrics = _bds_metrics(job, loop, digests, start_step, run_steps, per_epoch, session.world_size,
+                           time.perf_counter() - started, trainable)
+    metrics["weights_file"] = os.path.join(os.path.abspath(job.output_dir), WEIGHTS_FILE)
+    export_hf(engine, job, metrics, session.rank)
+    if session.rank == 0:
+        write_weights(job.output_dir, cand_table.ids, loop.omega)
+    session.report(metrics, None)
+    return metrics
+
+
+def _ray_worker_entry(config: dict[str, Any]) -> None:
+    """``train_loop_per_worker`` for ``TorchTrainer``."""
+    import torch
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    job: BDSJob = config["job"]
+    if not job.use_gpu:
+        torch.set_num_threads(max(1, int(job.cpus_per_worker)))
+    bds_train_loop(job, RaySession(), config.get("generation_hook"))
+
+
+# --------------------------------------------------------------------------------------------- driver
+
+
+def run_bds(candidate_table: str, validation_table: str, init_model: str, output_dir: str, cfg: TrainConfig,
+            bds_cfg: BDSSettings, *, storage_dir: str, name: str, adapter: dict[str, Any] | None = None,
+            generation_hook: GenerationHook | None = None) -> dict:
+    """Learn omega and fine-tune ``init_model`` with BDS on Ray Train (online BMO with a generation hook).
+
+    Resumes from the latest checkpoint in ``storage_dir/name`` when there is one.
+
+    Args:
+        candidate_table: Token table (parquet file or directory) of the low-quality candidates.
+        validation_table: Token table of the high-quality validation set (the upper level).
+        init_model: Local HF checkpoint directory.
+        output_dir: Where the HF model, tokenizer files, ``train_metrics.json`` and ``weights.parquet`` go.
+        cfg: theta's training config (engine, workers, lr, micro/effective batch, epochs, ...).
+        bds_cfg: Bilevel settings.
+        storage_dir: Ray Train storage (checkpoints); the same ``storage_dir`` and ``name`` resume.
+        name: Ray Train run name.
+        adapter: ``raycurate.models.adapters`` spec (e.g. ``{"kind": "lora", "r": 16, "alpha": 16}``), or None
+            for full fine-tuning.
+        generation_hook: Online BMO (with ``bds_cfg.generation_every``): a picklable :class:`GenerationHook`
+            (e.g. holding a generation pool's actor handles), shipped to every worker.
+
+    Returns:
+        The metrics of ``train_metrics.json`` (SFT's plus ``gamma_per_step``, ``val_loss_per_step``,
+        ``cand_loss_per_step``, ``omega_loss_per_step``, ``omega_digests``, ``weights_file``, ...).
+    """
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raycurate.stages.runtime import actor_cpus, cluster_cpus, cluster_gpus, init_ray
+
+    check_bds_batches(cfg, bds_cfg, cfg.num_workers)  # fail on the driver, before any worker starts
+    if not os.path.isdir(init_model):
+        raise FileNotFoundError(f"init_model={init_model} is not a directory; pass a local HF checkpoint dir.")
+    init_ray()
+    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else cluster_gpus() >= 1
+    cpus = actor_cpus(cfg.cpus_per_worker, cfg.num_workers, cluster_cpus())
+    resources: dict[str, float] = {"CPU": cpus}
+    if use_gpu:
+        resources["GPU"] = 1
+    job = BDSJob(os.path.abspath(candidate_table), os.path.abspath(validation_table), os.path.abspath(init_model),
+                 os.path.abspath(output_dir), cfg, bds_cfg, use_gpu, cpus, adapter)
+    trainer = TorchTrainer(
+        _ray_worker_entry,
+        train_loop_config={"job": job, "generation_hook": generation_hook},
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(
+            name=name,
+            storage_path=os.path.abspath(storage_dir),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+            worker_runtime_env={"env_vars": _worker_env(use_gpu)},
+        ),
+    )
+    trainer.fit()
+    with open(os.path.join(job.output_dir, METRICS_FILE)) as f:
+        return json.load(f)
