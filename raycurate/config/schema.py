@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from raycurate.config.base import option
+from raycurate.config.bilevel import BilevelConfig
 from raycurate.config.bridge import BridgeConfig
 from raycurate.config.data import DataConfig
 from raycurate.config.model import ModelConfig
@@ -15,7 +16,7 @@ from raycurate.config.p2d import P2DConfig
 from raycurate.config.train import TrainConfig
 from raycurate.stages.ray_data import ActorPoolConfig
 
-PIPELINES = ("demo", "sft", "bridge", "p2d")
+PIPELINES = ("demo", "sft", "bridge", "p2d", "bilevel")
 
 
 @dataclasses.dataclass
@@ -62,8 +63,9 @@ class EvalConfig:
 class DemoConfig:
     """What ``raycurate demo`` runs after the shared data preparation."""
 
-    methods: list[str] = option(["sft", "bridge", "p2d"], "Pipelines the demo runs and compares: sft (mixed vs clean "
-                                "SFT), bridge (BRIDGE + token baselines), p2d (head-guided selection + sparse heads).")
+    methods: list[str] = option(["sft", "bridge", "p2d", "bilevel"], "Pipelines the demo runs and compares: sft "
+                                "(mixed vs clean SFT), bridge (BRIDGE + token baselines), p2d (head-guided selection "
+                                "+ sparse heads), bilevel (BDS weights, BMO regeneration, example-level baselines).")
 
 
 @dataclasses.dataclass
@@ -83,4 +85,6 @@ class JobConfig:
     bridge: BridgeConfig = option(BridgeConfig(), "BRIDGE token selection (pipeline bridge, and the demo).")
     bridge_pool: ActorPoolConfig = option(ActorPoolConfig(batch_size=32), "Actor pool for BRIDGE scoring.")
     p2d: P2DConfig = option(P2DConfig(), "P2D head scoring, ICL probing and sparse head adaptation.")
+    bilevel: BilevelConfig = option(BilevelConfig(),
+                                    "Bilevel data weights (BDS), online regeneration (BMO), baselines.")
     p2d_pool: ActorPoolConfig = option(ActorPoolConfig(batch_size=8), "Actor pool for P2D ICL probing and IFD.")

@@ -29,7 +29,15 @@ def _p2d(cfg: Any) -> dict:
     return run_p2d_pipeline(cfg)
 
 
-PIPELINES: dict[str, Callable[[Any], dict]] = {"demo": _demo, "sft": _sft, "bridge": _bridge, "p2d": _p2d}
+def _bilevel(cfg: Any) -> dict:
+    from raycurate.pipelines.bilevel import run_bilevel_pipeline
+
+    return run_bilevel_pipeline(cfg)
+
+
+PIPELINES: dict[str, Callable[[Any], dict]] = {
+    "demo": _demo, "sft": _sft, "bridge": _bridge, "p2d": _p2d, "bilevel": _bilevel,
+}
 
 
 def run_pipeline(cfg: Any) -> dict:

@@ -14,8 +14,8 @@ from raycurate.pipelines.sft import write_report
 
 log = logging.getLogger("raycurate")
 
-DEMO_METHODS = ("sft", "bridge", "p2d")
-LM_EVAL_MODELS = ("base", "mixed", "clean", "bridge", "p2d", "bds", "online")
+DEMO_METHODS = ("sft", "bridge", "p2d", "bilevel")
+LM_EVAL_MODELS = ("base", "mixed", "clean", "bridge", "p2d", "bilevel_bds", "bilevel_online")
 
 
 def clean_rows(table: Any) -> Any:
@@ -61,6 +61,10 @@ def run_demo(cfg: Any) -> dict:
 
         full_sft = "train_mixed" if "sft" in cfg.demo.methods else None
         results.update(run_p2d_stages(run, cfg, evaluate=True, full_sft_stage=full_sft))
+    if "bilevel" in cfg.demo.methods:
+        from raycurate.pipelines.bilevel import run_bilevel_stages
+
+        results.update(run_bilevel_stages(run, cfg, evaluate=True))
     record_heldout(run, results)
     main = [name for name in results if name in LM_EVAL_MODELS]  # baselines are compared on the held-out eval only
     lm_eval_models(run, cfg, {name: f"train_{name}" if name != "base" else "base_model" for name in main})

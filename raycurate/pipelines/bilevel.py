@@ -1,0 +1,184 @@
+"""Bilevel pipeline (SPEC §6): BDS data weights, BMO online regeneration and the example-level baselines.
+
+Stages after the shared data preparation:
+bilevel_validation_rows (the trusted upper level: the validation split, clean rows only on the embedded corpus) and
+bilevel_candidate_rows (the noisy lower level) -> per method: train_bilevel_<method> (bds: offline BDS; online:
+BDS + BMO generation; mix_<rho>: direct mixing, eq. 3; random / dsir / less: validation + selected candidates at
+rho = 0.5) -> eval_bilevel_<method> (held-out exact match and gold loss = upper level) and
+loss_bilevel_<method> (loss on the clean candidates = lower level, the paper's "cleaned" set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from raycurate.pipelines.common import forced
+
+log = logging.getLogger("raycurate")
+
+
+def has_labels(run: Any, tokens_stage: str) -> bool:
+    """Whether a token table carries the embedded corpus's ground-truth labels."""
+    from raycurate.stages.bilevel import _label_columns
+
+    return "label" in _label_columns(run, tokens_stage)
+
+
+def split_rows(run: Any, cfg: Any) -> bool:
+    """The validation and candidate tables (and the clean candidates when labels exist); returns has-labels."""
+    import pyarrow.compute as pc
+
+    from raycurate.stages.data_stages import filter_tokens_stage
+
+    bilevel = cfg.bilevel
+    labelled = has_labels(run, "tokenize")
+    clean_only = bilevel.validation_clean_only and labelled
+
+    def validation(table: Any) -> Any:
+        keep = pc.equal(table["split"], bilevel.validation_split)
+        return pc.and_(keep, pc.struct_field(table["label"], "clean")) if clean_only else keep
+
+    def candidates(table: Any) -> Any:
+        return pc.equal(table["split"], bilevel.candidate_split)
+
+    def clean_candidates(table: Any) -> Any:
+        return pc.and_(candidates(table), pc.struct_field(table["label"], "clean"))
+
+    filter_tokens_stage(run, "bilevel_validation_rows", tokens_stage="tokenize",
+                        description=f"split == {bilevel.validation_split}" + (" and clean" if clean_only else ""),
+                        keep=validation, config={"split": bilevel.validation_split, "clean_only": clean_only},
+                        force=forced(cfg, "bilevel_validation_rows"))
+    filter_tokens_stage(run, "bilevel_candidate_rows", tokens_stage="tokenize",
+                        description=f"split == {bilevel.candidate_split}", keep=candidates,
+                        config={"split": bilevel.candidate_split}, force=forced(cfg, "bilevel_candidate_rows"))
+    if labelled:
+        filter_tokens_stage(run, "bilevel_clean_candidates", tokens_stage="tokenize",
+                            description=f"split == {bilevel.candidate_split} and clean", keep=clean_candidates,
+                            config={"split": bilevel.candidate_split}, force=forced(cfg, "bilevel_clean_candidates"))
+    return labelled
+
+
+def adapter_spec(bilevel: Any) -> dict | None:
+    """The theta adapter of every bilevel method (LoRA by default, as the paper)."""
+    if bilevel.adapter == "full":
+        return None
+    return {"kind": "lora", "r": bilevel.lora_r, "alpha": bilevel.lora_alpha}
+
+
+def selection_ids(run: Any, cfg: Any, method: str) -> list[str]:
+    """Candidate ids chosen by a selection baseline (random, dsir, less)."""
+    from raycurate.stages.p2d import seeded_sample, selected_ids, token_ids
+
+    bilevel = cfg.bilevel
+    if method == "random":
+        ids = token_ids(run, "bilevel_candidate_rows")
+        return seeded_sample(ids, max(1, round(bilevel.select_fraction * len(ids))), bilevel.seed)
+    from raycurate.stages.bilevel_select import dsir_select_stage, less_select_stage
+
+    stage = f"bilevel_{method}_select"
+    if method == "dsir":
+        dsir_select_stage(run, stage, candidate_stage="bilevel_candidate_rows",
+                          validation_stage="bilevel_validation_rows", fraction=bilevel.select_fraction,
+                          buckets=bilevel.dsir_buckets, seed=bilevel.seed, force=forced(cfg, stage))
+    else:
+        less_select_stage(run, stage, candidate_stage="bilevel_candidate_rows",
+                          validation_stage="bilevel_validation_rows", base_stage="base_model",
+                          fraction=bilevel.select_fraction, lora_r=bilevel.lora_r, lora_alpha=bilevel.lora_alpha,
+                          dim=bilevel.less_dim, warmup_fraction=bilevel.less_warmup_fraction, seed=bilevel.seed,
+                          force=forced(cfg, stage))
+    return selected_ids(run, stage)
+
+
+def train_method(run: Any, cfg: Any, method: str, train_cfg: Any) -> str:
+    """Train one method; returns its model stage."""
+    from raycurate.stages.bilevel import bds_stage, weighted_union_stage
+    from raycurate.stages.model_stages import train_stage
+
+    bilevel, adapter = cfg.bilevel, adapter_spec(cfg.bilevel)
+    stage = f"train_bilevel_{method}"
+    if method in ("bds", "online"):
+        bds_stage(run, stage, candidate_stage="bilevel_candidate_rows", validation_stage="bilevel_validation_rows",
+                  base_stage="base_model", train_cfg=train_cfg, bilevel=bilevel, adapter=adapter,
+                  online=method == "online", force=forced(cfg, stage))
+        return stage
+    if method.startswith("mix_"):
+        rho, ids, description = float(method.removeprefix("mix_")), None, f"direct mixing rho={method[4:]}"
+    else:
+        rho, ids, description = 0.5, selection_ids(run, cfg, method), f"validation + {method} selection"
+    rows = f"bilevel_{method}_rows"
+    weighted_union_stage(run, rows, candidate_stage="bilevel_candidate_rows",
+                         validation_stage="bilevel_validation_rows", rho=rho, candidate_ids=ids,
+                         description=description, force=forced(cfg, rows))
+    train_stage(run, stage, tokens_stage=rows, init_stage="base_model", train_cfg=train_cfg, adapter=adapter,
+                force=forced(cfg, stage))
+    return stage
+
+
+def check_methods(methods: list[str]) -> None:
+    """Fail early on unknown method names."""
+    known = {"bds", "online", "random", "dsir", "less"}
+    for method in methods:
+        if method in known:
+            continue
+        if method.startswith("mix_"):
+            try:
+                if 0.0 < float(method[4:]) <= 1.0:
+                    continue
+            except ValueError:
+                pass
+        raise ValueError(f"bilevel.methods has unknown entry {method!r}; use bds, online, random, dsir, less or "
+                         "mix_<rho> with 0 < rho <= 1 (e.g. mix_0.5)")
+
+
+def run_bilevel_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
+    """The bilevel stages on top of ``prepare_data``'s outputs; returns ``{method: heldout metrics}``."""
+    from raycurate.stages.base import output_path
+    from raycurate.stages.bilevel import generation_samples, loss_eval_stage, weight_analysis
+    from raycurate.stages.model_stages import evaluate_stage
+
+    bilevel = cfg.bilevel
+    check_methods(bilevel.methods)
+    labelled = split_rows(run, cfg)
+    train_cfg = dataclasses.replace(cfg.train, lr=bilevel.lr, epochs=bilevel.epochs)
+    results: dict[str, dict] = {}
+    summary: dict[str, Any] = {"methods": {}, "losses": {}}
+    for method in bilevel.methods:
+        model_stage = train_method(run, cfg, method, train_cfg)
+        name = f"bilevel_{method}"
+        losses: dict[str, float] = {}
+        if evaluate:
+            record = evaluate_stage(run, f"eval_{name}", model_stage=model_stage, heldout_stage="corpus",
+                                    eval_cfg=cfg.eval, max_length=cfg.data.max_length,
+                                    force=forced(cfg, f"eval_{name}"))
+            results[name] = record["metrics"]
+            losses["validation_loss"] = record["metrics"]["gold_loss"]  # upper level: held-out trusted data
+        lower = "bilevel_clean_candidates" if labelled else "bilevel_candidate_rows"
+        losses["train_loss"] = loss_eval_stage(run, f"loss_{name}", model_stage=model_stage, tokens_stage=lower,
+                                               force=forced(cfg, f"loss_{name}"))["metrics"]["loss"]
+        summary["losses"][method] = losses
+        if method in ("bds", "online"):
+            info = weight_analysis(run, model_stage, "bilevel_candidate_rows")
+            if method == "online":
+                info["generations"] = generation_samples(run, model_stage, "bilevel_candidate_rows",
+                                                         str(output_path(run, "base_model", "model")))
+            summary["methods"][method] = info
+            log.info("bilevel %s: AUROC(sigma, clean) = %s", method, info.get("auroc"))
+    run.update_manifest(bilevel=summary)
+    return results
+
+
+def run_bilevel_pipeline(cfg: Any) -> dict:
+    """``pipeline: bilevel``: data preparation, BDS / BMO, the baselines and (on the embedded corpus) evaluation."""
+    from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout
+    from raycurate.pipelines.sft import write_report
+
+    run = open_run(cfg)
+    records = prepare_data(run, cfg)
+    results = run_bilevel_stages(run, cfg, evaluate="corpus" in records)
+    if results:
+        record_heldout(run, results)
+        lm_eval_models(run, cfg, {name: f"train_{name}" for name in results})
+    write_report(run)
+    return run.load_manifest()
