@@ -109,3 +109,18 @@ def record_heldout(run: RunDir, heldout: dict) -> None:
     """Save ``results.heldout`` in the manifest, keeping the other result sections (e.g. ``lm_eval``)."""
     results = run.load_manifest().get("results") or {}
     run.update_manifest(results={**results, "heldout": heldout})
+
+
+def run_standalone(cfg: Any, stages: Any) -> dict:
+    """A method pipeline on its own: data preparation, ``stages(run, cfg, evaluate=...)``, held-out results,
+    lm-eval on the trained models and the report; returns the final manifest."""
+    from raycurate.pipelines.sft import write_report
+
+    run = open_run(cfg)
+    records = prepare_data(run, cfg)
+    results = stages(run, cfg, evaluate="corpus" in records)
+    if results:
+        record_heldout(run, results)
+        lm_eval_models(run, cfg, {name: f"train_{name}" for name in results})
+    write_report(run)
+    return run.load_manifest()

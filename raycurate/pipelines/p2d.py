@@ -147,14 +147,6 @@ def record_aer(run: Any, full_sft_stage: str) -> dict:
 
 def run_p2d_pipeline(cfg: Any) -> dict:
     """``pipeline: p2d``: data preparation, P2D, its baselines and (on the embedded corpus) evaluation."""
-    from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout
-    from raycurate.pipelines.sft import write_report
+    from raycurate.pipelines.common import run_standalone
 
-    run = open_run(cfg)
-    records = prepare_data(run, cfg)
-    results = run_p2d_stages(run, cfg, evaluate="corpus" in records)
-    if results:
-        record_heldout(run, results)
-        lm_eval_models(run, cfg, {name: f"train_{name}" for name in results})
-    write_report(run)
-    return run.load_manifest()
+    return run_standalone(cfg, run_p2d_stages)

@@ -80,13 +80,15 @@ from raycurate.stages.train import (
     _should_checkpoint,
     _to_device,
     _use_bf16,
-    _worker_env,
     build_engine,
     collate,
     epoch_order,
     export_hf,
+    launch_trainer,
     load_model,
     load_token_table,
+    prepare_worker,
+    worker_resources,
 )
 
 logger = logging.getLogger(__name__)
@@ -874,13 +876,8 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
 
 def _ray_worker_entry(config: dict[str, Any]) -> None:
     """``train_loop_per_worker`` for ``TorchTrainer``."""
-    import torch
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    job: BDSJob = config["job"]
-    if not job.use_gpu:
-        torch.set_num_threads(max(1, int(job.cpus_per_worker)))
-    bds_train_loop(job, RaySession(), config.get("generation_hook"))
+    prepare_worker(config["job"])
+    bds_train_loop(config["job"], RaySession(), config.get("generation_hook"))
 
 
 # --------------------------------------------------------------------------------------------- driver
@@ -911,33 +908,13 @@ def run_bds(candidate_table: str, validation_table: str, init_model: str, output
         The metrics of ``train_metrics.json`` (SFT's plus ``gamma_per_step``, ``val_loss_per_step``,
         ``cand_loss_per_step``, ``omega_loss_per_step``, ``omega_digests``, ``weights_file``, ...).
     """
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from raycurate.stages.runtime import actor_cpus, cluster_cpus, cluster_gpus, init_ray
-
     check_bds_batches(cfg, bds_cfg, cfg.num_workers)  # fail on the driver, before any worker starts
     if not os.path.isdir(init_model):
         raise FileNotFoundError(f"init_model={init_model} is not a directory; pass a local HF checkpoint dir.")
-    init_ray()
-    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else cluster_gpus() >= 1
-    cpus = actor_cpus(cfg.cpus_per_worker, cfg.num_workers, cluster_cpus())
-    resources: dict[str, float] = {"CPU": cpus}
-    if use_gpu:
-        resources["GPU"] = 1
+    use_gpu, cpus = worker_resources(cfg)
     job = BDSJob(os.path.abspath(candidate_table), os.path.abspath(validation_table), os.path.abspath(init_model),
                  os.path.abspath(output_dir), cfg, bds_cfg, use_gpu, cpus, adapter)
-    trainer = TorchTrainer(
-        _ray_worker_entry,
-        train_loop_config={"job": job, "generation_hook": generation_hook},
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
-        run_config=RunConfig(
-            name=name,
-            storage_path=os.path.abspath(storage_dir),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-            worker_runtime_env={"env_vars": _worker_env(use_gpu)},
-        ),
-    )
-    trainer.fit()
+    launch_trainer(_ray_worker_entry, {"job": job, "generation_hook": generation_hook}, cfg, use_gpu, cpus,
+                   storage_dir=storage_dir, name=name)
     with open(os.path.join(job.output_dir, METRICS_FILE)) as f:
         return json.load(f)

@@ -724,15 +724,19 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
     return metrics
 
 
-def _ray_worker_entry(config: dict[str, Any]) -> None:
-    """``train_loop_per_worker`` for ``TorchTrainer``."""
+def prepare_worker(job: Any) -> None:
+    """Per-worker set-up of every training loop: logging and (on CPU) the worker's thread count."""
     import torch
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    job: SFTJob = config["job"]
     if not job.use_gpu:
         torch.set_num_threads(max(1, int(job.cpus_per_worker)))
-    train_loop(job, RaySession())
+
+
+def _ray_worker_entry(config: dict[str, Any]) -> None:
+    """``train_loop_per_worker`` for ``TorchTrainer``."""
+    prepare_worker(config["job"])
+    train_loop(config["job"], RaySession())
 
 
 # --------------------------------------------------------------------------------------------- driver
@@ -765,25 +769,38 @@ def run_sft(train_table: str, init_model: str, output_dir: str, cfg: TrainConfig
         The metrics of ``train_metrics.json``: ``loss_per_step``, ``steps``, ``start_step``, ``tokens``,
         ``supervised_tokens``, ``seconds``, ...
     """
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from raycurate.stages.runtime import actor_cpus, cluster_cpus, cluster_gpus, init_ray
-
     grad_accum_steps(cfg, cfg.num_workers)  # fail on the driver, before any worker starts
     if not os.path.isdir(init_model):
         raise FileNotFoundError(f"init_model={init_model} is not a directory; pass a local HF checkpoint dir.")
+    use_gpu, cpus = worker_resources(cfg)
+    job = SFTJob(os.path.abspath(train_table), os.path.abspath(init_model), os.path.abspath(output_dir),
+                 cfg, use_gpu, cpus, adapter)
+    launch_trainer(_ray_worker_entry, {"job": job}, cfg, use_gpu, cpus, storage_dir=storage_dir, name=name)
+    with open(os.path.join(job.output_dir, METRICS_FILE)) as f:
+        return json.load(f)
+
+
+def worker_resources(cfg: TrainConfig) -> tuple[bool, float]:
+    """(use GPUs, CPUs per worker) of a training run on the current Ray cluster (started when needed)."""
+    from raycurate.stages.runtime import actor_cpus, cluster_cpus, cluster_gpus, init_ray
+
     init_ray()
     use_gpu = cfg.use_gpu if cfg.use_gpu is not None else cluster_gpus() >= 1
-    cpus = actor_cpus(cfg.cpus_per_worker, cfg.num_workers, cluster_cpus())
+    return use_gpu, actor_cpus(cfg.cpus_per_worker, cfg.num_workers, cluster_cpus())
+
+
+def launch_trainer(entry: Callable[[dict], None], loop_config: dict[str, Any], cfg: TrainConfig, use_gpu: bool,
+                   cpus: float, *, storage_dir: str, name: str) -> None:
+    """Run ``entry`` on ``cfg.num_workers`` Ray Train workers (TorchTrainer); resumes ``storage_dir/name``."""
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
     resources: dict[str, float] = {"CPU": cpus}
     if use_gpu:
         resources["GPU"] = 1
-    job = SFTJob(os.path.abspath(train_table), os.path.abspath(init_model), os.path.abspath(output_dir),
-                 cfg, use_gpu, cpus, adapter)
     trainer = TorchTrainer(
-        _ray_worker_entry,
-        train_loop_config={"job": job},
+        entry,
+        train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=name,
@@ -793,5 +810,3 @@ def run_sft(train_table: str, init_model: str, output_dir: str, cfg: TrainConfig
         ),
     )
     trainer.fit()
-    with open(os.path.join(job.output_dir, METRICS_FILE)) as f:
-        return json.load(f)
