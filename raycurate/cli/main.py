@@ -124,9 +124,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
                          f"{run_dir}; choose one of {models}")
     tasks = args.tasks.split(",") if args.tasks else list(LOCAL_TASKS)
     init_ray()
-    record = lm_eval_stage(run, f"lm_eval_{args.model_stage}", model_stage=args.model_stage, heldout_stage="corpus",
-                           tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit, domain=args.domain,
-                           force=args.force)
+    heldout = "corpus" if "corpus" in stages else None
+    try:
+        record = lm_eval_stage(run, f"lm_eval_{args.model_stage}", model_stage=args.model_stage,
+                               heldout_stage=heldout, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+                               domain=args.domain, allow_code_execution=args.allow_code_execution, force=args.force)
+    except ValueError as exc:
+        raise SystemExit(f"raycurate eval: {exc}") from None
     for key, value in sorted(record["metrics"].items()):
         if not key.endswith(("_stderr", "/samples")):
             print(f"{key:<48} {value:.4f}" if isinstance(value, float) else f"{key:<48} {value}")
@@ -221,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
     p.add_argument("--domain", default="math", choices=["math", "code", "instruction"],
                    help="target domain of the General / Overall averages")
+    p.add_argument("--allow-code-execution", action="store_true",
+                   help="let lm-eval run model-written code (humaneval, mbpp); use an isolated machine")
     p.add_argument("--force", action="store_true", help="re-run even if the results are current")
     p.set_defaults(fn=cmd_eval)
 

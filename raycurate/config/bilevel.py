@@ -45,6 +45,7 @@ class BilevelConfig:
     importance: str = option("clip", "Importance weights r = pi_theta / pi_old: per-token clipped, or "
                              "self-normalised per question (Lemma 4).", choices=("clip", "self_normalize"))
     importance_clip: float = option(2.0, "Ratio bound of the clipped importance weights ([1/c, c]).")
+    generation_actors: int = option(1, "Generation actors of the online pool (one model / vLLM engine each).")
     generation_backend: str = option("auto", "Generation actors: vllm on GPU clusters, HF generate on CPU.",
                                      choices=("auto", "hf", "vllm"))
     select_fraction: float = option(0.5, "Share of candidates kept by the random, DSIR and LESS baselines.")

@@ -55,6 +55,8 @@ class EvalConfig:
     lm_eval_limit: int | None = option(None, "Documents per lm-eval task (null: all).")
     lm_eval_num_fewshot: int | None = option(None, "Few-shot examples for the named tasks (null: each task's default; "
                                              "the BRIDGE paper uses 5 for MMLU).")
+    lm_eval_allow_code_execution: bool = option(
+        False, "Let lm-eval run model-written code (needed by humaneval / mbpp; run on an isolated machine).")
     lm_eval_domain: str = option("math", "Target domain for the BRIDGE paper's General / Overall averages.",
                                  choices=("math", "code", "instruction"))
 

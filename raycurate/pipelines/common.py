@@ -95,10 +95,12 @@ def lm_eval_models(run: RunDir, cfg: Any, model_stages: dict[str, str]) -> dict:
     results = {}
     for name, model_stage in model_stages.items():
         stage = f"lm_eval_{name}"
-        record = lm_eval_stage(run, stage, model_stage=model_stage, heldout_stage="corpus",
+        heldout = "corpus" if run.stage_record("corpus") is not None else None
+        record = lm_eval_stage(run, stage, model_stage=model_stage, heldout_stage=heldout,
                                tasks=cfg.eval.lm_eval_tasks, num_fewshot=cfg.eval.lm_eval_num_fewshot,
                                limit=cfg.eval.lm_eval_limit, max_gen_toks=cfg.eval.max_new_tokens,
-                               domain=cfg.eval.lm_eval_domain, force=forced(cfg, stage))
+                               domain=cfg.eval.lm_eval_domain,
+                               allow_code_execution=cfg.eval.lm_eval_allow_code_execution, force=forced(cfg, stage))
         results[name] = record["metrics"]
     manifest_results = run.load_manifest().get("results") or {}
     run.update_manifest(results={**manifest_results, "lm_eval": {**manifest_results.get("lm_eval", {}), **results}})
@@ -121,6 +123,8 @@ def run_standalone(cfg: Any, stages: Any) -> dict:
     results = stages(run, cfg, evaluate="corpus" in records)
     if results:
         record_heldout(run, results)
-        lm_eval_models(run, cfg, {name: f"train_{name}" for name in results})
+    trained = [name for name, rec in run.load_manifest()["stages"].items()
+               if name.startswith("train_") and rec.get("status") == "done"]
+    lm_eval_models(run, cfg, {name.removeprefix("train_"): name for name in trained})
     write_report(run)
     return run.load_manifest()

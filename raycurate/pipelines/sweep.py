@@ -124,6 +124,9 @@ def write_results(run: RunDir, sweep: SweepConfig, job: Path, rows: list[dict]) 
         atomic_write_text(out / "best.yaml", header + dump_yaml(best_cfg))
         section["best_config"] = "tune/best.yaml"
     run.update_manifest(tune=section)
+    from raycurate.report.html import write_run_report
+
+    write_run_report(run.root)
     log.info("sweep %s: %d trials, best %s", sweep.name, len(rows), best)
     return section
 

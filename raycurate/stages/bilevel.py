@@ -56,7 +56,8 @@ class PoolGenerationHook:
     def __call__(self, step: int, omega: Any, module: Any) -> list[dict] | None:
         from raycurate.stages.bilevel_train import broadcast_from_rank0
 
-        rows = self._generate(step, omega, module) if _rank() == 0 else None
+        policy = self._save_policy(module, step)  # collective under ZeRO-3
+        rows = self._generate(step, omega, policy) if _rank() == 0 else None
         return broadcast_from_rank0(rows)
 
     def masked(self, omega: Any) -> Any:
@@ -67,14 +68,13 @@ class PoolGenerationHook:
             return masked_questions_dynamic(data_weights(omega), self.ratio)
         return masked_questions_fixed(len(omega), self.ratio, self.seed)
 
-    def _generate(self, step: int, omega: Any, module: Any) -> list[dict]:
+    def _generate(self, step: int, omega: Any, policy: str) -> list[dict]:
         from raycurate.stages.bilevel_train import generation_requests
         from raycurate.stages.generation import write_generations
         from raycurate.stages.train import load_token_table
 
         table = load_token_table(self.candidate_table)
         masked = self.masked(omega)
-        policy = self._save_policy(module, step)
         rows = self._pool().generate(generation_requests(table, masked), adapter_dir=policy, n=self.samples,
                                      temperature=self.temperature, max_new_tokens=self.max_new_tokens, step=step,
                                      seed=self.seed)
@@ -83,16 +83,31 @@ class PoolGenerationHook:
         return rows
 
     def _save_policy(self, module: Any, step: int) -> str:
-        """The current policy as a directory the actors load: a PEFT adapter (LoRA) or a full HF checkpoint."""
+        """The current policy as a directory the actors load: a PEFT adapter (LoRA) or a full HF checkpoint.
+
+        Called on every rank: under ZeRO-3 the saved parameters (the LoRA weights, or all of them) are gathered
+        collectively first; rank 0 writes.
+        """
+        import contextlib
+
         from raycurate.models.adapters import adapter_kind
 
-        path = Path(self.out_dir) / "policy" / f"step-{step:07d}"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if adapter_kind(self.adapter) not in ("lora", "full"):
+        kind = adapter_kind(self.adapter)
+        if kind not in ("lora", "full"):
             raise ValueError("online generation supports LoRA or full fine-tuning; head-delta adapters have no "
                              "loadable adapter format")
-        module.save_pretrained(str(path))
-        if adapter_kind(self.adapter) == "full":
+        path = Path(self.out_dir) / "policy" / f"step-{step:07d}"
+        partitioned = [p for p in module.parameters() if hasattr(p, "ds_id") and (kind == "full" or p.requires_grad)]
+        gather = contextlib.nullcontext()
+        if partitioned:
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+        with gather:
+            if _rank() == 0:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                module.save_pretrained(str(path))
+        if _rank() == 0 and kind == "full":
             for name in os.listdir(self.base_model):  # tokenizer / generation config next to the weights
                 if name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
                     shutil.copy2(os.path.join(self.base_model, name), path / name)
@@ -102,7 +117,11 @@ class PoolGenerationHook:
         from raycurate.stages.generation import GenerationPool
 
         if getattr(self, "_pool_handle", None) is None:
-            self._pool_handle = GenerationPool(self.base_model, backend=self.backend, num_actors=self.num_actors,
+            from raycurate.models.adapters import adapter_kind
+
+            # vLLM serves LoRA adapters on one engine; a fully fine-tuned policy is loaded by the HF actors
+            backend = "hf" if self.backend == "auto" and adapter_kind(self.adapter) == "full" else self.backend
+            self._pool_handle = GenerationPool(self.base_model, backend=backend, num_actors=self.num_actors,
                                                num_gpus_per_actor=self.gpus_per_actor, seed=self.seed)
         return self._pool_handle
 
@@ -146,9 +165,12 @@ def bds_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage
     settings = bds_settings(bilevel, train_cfg, online)
     upstream = [candidate_stage, validation_stage, base_stage]
     online_cfg = {k: getattr(bilevel, k) for k in ("online_ratio", "online_mask", "online_samples", "temperature",
-                                                   "max_new_tokens", "generation_backend")} if online else None
+                                                   "max_new_tokens", "generation_backend", "generation_actors")}
+    if not online:
+        online_cfg = None
     config = {"train": train_cfg, "bds": dataclasses.asdict(settings), "adapter": adapter, "online": online_cfg}
-    resume_key = stage_hash(run, config, upstream)
+    # the checkpoint folder ignores max_steps, so raising it (e.g. the next ASHA rung) extends the saved run
+    resume_key = stage_hash(run, {**config, "train": dataclasses.replace(train_cfg, max_steps=None)}, upstream)
     scratch = scratch_dir(run, stage)
 
     def body(out: Path) -> StageOutput:
@@ -159,7 +181,7 @@ def bds_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage
             hook = PoolGenerationHook(
                 str(candidates), str(base), adapter, str(rounds_dir), bilevel.online_ratio,
                 bilevel.online_mask, bilevel.online_samples, bilevel.temperature, bilevel.max_new_tokens,
-                bilevel.seed, backend=bilevel.generation_backend)
+                bilevel.seed, backend=bilevel.generation_backend, num_actors=bilevel.generation_actors)
         metrics = run_bds(str(candidates), str(validation), str(base), str(out / "model"), train_cfg, settings,
                           storage_dir=str(scratch), name=f"{stage}-{resume_key}", adapter=adapter,
                           generation_hook=hook)
@@ -191,7 +213,9 @@ def collect_generations(rounds_dir: Path, final_model: Path, candidates: Path, d
         return {"generation_rounds": 0, "generated_responses": 0}
     table = pa.concat_tables([pq.read_table(p) for p in parts], promote_options="default")
     rows = table.to_pylist()
-    new_logprobs = response_logprobs(final_model, candidates, rows)
+    from raycurate.stages.runtime import run_as_task
+
+    new_logprobs = run_as_task(response_logprobs, final_model, candidates, rows)
     weights = [float(np.exp(np.mean(np.asarray(new) - np.asarray(r["token_logprobs"])))) if r["token_logprobs"]
                else 1.0 for r, new in zip(rows, new_logprobs)]
     table = table.append_column("importance_weight", pa.array(weights, pa.float64()))
@@ -205,20 +229,21 @@ def response_logprobs(model_dir: Path, candidates: Path, rows: list[dict]) -> li
     import torch
 
     from raycurate.algorithms.bilevel import token_logprobs
-    from raycurate.models.loading import load_model
+    from raycurate.models.loading import best_device, load_model
 
     prompts = {r["id"]: r["input_ids"][: r["prompt_len"]]
                for r in read_token_rows(candidates, ["id", "input_ids", "prompt_len"])}
-    model = load_model(str(model_dir), dtype="float32").eval()
+    device = best_device()
+    model = load_model(str(model_dir), dtype="float32", device=device).eval()
     out = []
     with torch.no_grad():
         for r in rows:
             prompt, response = list(prompts[r["question_id"]]), list(r["response_ids"])
-            ids = torch.tensor([prompt + response])
+            ids = torch.tensor([prompt + response], device=device)
             mask = torch.zeros_like(ids)
             mask[0, len(prompt):] = 1
             logits = model(input_ids=ids).logits.float()
-            lp = token_logprobs(logits, ids, mask)[0]  # (T,) log p at supervised positions, 0 elsewhere
+            lp = token_logprobs(logits, ids, mask)[0].cpu()  # (T,) log p at supervised positions, 0 elsewhere
             out.append(lp[len(prompt):].tolist())
     return out
 

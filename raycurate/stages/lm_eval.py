@@ -384,7 +384,7 @@ def lm_eval_stage(
     stage: str,
     *,
     model_stage: str,
-    heldout_stage: str,
+    heldout_stage: str | None,
     tasks: Iterable[str] = LOCAL_TASKS,
     num_fewshot: int | None = None,
     limit: int | None = None,
@@ -408,11 +408,15 @@ def lm_eval_stage(
     if domain not in DOMAINS:
         raise ValueError(f"lm_eval_stage: unknown domain {domain!r}; use one of {list(DOMAINS)}")
     model_dir = output_path(run, model_stage, "model")
-    heldout = output_path(run, heldout_stage, "heldout")
+    local = [name for name in tasks if name in LOCAL_TASKS]
+    if local and (heldout_stage is None or run.stage_record(heldout_stage) is None):
+        raise ValueError(f"lm-eval tasks {local} run over the embedded corpus's held-out set, which this run does "
+                         "not have; use named harness tasks (e.g. arc_challenge,hellaswag,mmlu) for your own data")
+    heldout = output_path(run, heldout_stage, "heldout") if local else None
 
     def body(out: Path) -> StageOutput:
         local_dir = None
-        if any(name in LOCAL_TASKS for name in tasks):
+        if heldout is not None:
             rows = [json.loads(line) for line in heldout.read_text().splitlines() if line.strip()]
             local_dir = scratch_dir(run, stage) / "lm_eval_tasks"
             write_local_tasks(rows, local_dir, max_gen_toks=max_gen_toks)
@@ -437,4 +441,5 @@ def lm_eval_stage(
 
     config = {"tasks": tasks, "num_fewshot": num_fewshot, "limit": limit, "batch_size": batch_size,
               "max_gen_toks": max_gen_toks, "domain": domain, "allow_code_execution": allow_code_execution}
-    return run_stage(run, stage, body, config=config, upstream=[model_stage, heldout_stage], force=force)
+    upstream = [model_stage, heldout_stage] if heldout is not None else [model_stage]
+    return run_stage(run, stage, body, config=config, upstream=upstream, force=force)

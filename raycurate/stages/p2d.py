@@ -332,6 +332,8 @@ def probe_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, he
 
     config = {k: getattr(p2d_cfg, k) for k in ("rounds", "demos", "queries", "query_score", "instruction",
                                                 "max_prompt_tokens", "seed")}
+    if p2d_cfg.query_score != "loglik":
+        config["max_new_tokens"] = max_new_tokens  # generated query scores depend on the budget
     return run_stage(run, stage, body, config=config, upstream=[pool_stage, base_stage, heads_stage_name],
                      force=force)
 
@@ -399,7 +401,7 @@ def select_stage(run: RunDir, stage: str, *, pool_stage: str, probe_stage_name: 
         labels = clean_labels(run, pool_stage)
         pq.write_table(pa.Table.from_pylist(selection_rows(ids, scores, chosen, labels)),
                        out / "selection.parquet")
-        random = seeded_sample(ids, len(chosen), p2d_cfg.seed)
+        random = seeded_sample(ids, len(chosen), p2d_cfg.seed + 1)  # the random_data baseline's sample
         return StageOutput(outputs={"selection": "selection.parquet"}, metrics={
             "pool": len(ids), "selected": len(chosen), "precision_selected": precision(sorted(chosen), labels),
             "precision_random": precision(random, labels), "precision_pool": precision(ids, labels)})

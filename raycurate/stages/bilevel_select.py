@@ -1,0 +1,419 @@
+"""Example-selection baselines of the bilevel pipeline (SPEC §6; bilevel paper B4 LESS, B5 DSIR).
+
+Both stages read a candidate token table and a validation token table, score every candidate against the
+validation set, keep ``k = round(fraction * N)`` of them (halves round up, at least 1) and write
+``selection.parquet`` (output ``selection``) with one row per candidate in id order: ``id``, the score
+(``log_weight`` for DSIR, ``score`` for LESS) and ``selected``, so :func:`raycurate.stages.p2d.selected_ids`
+reads either.
+
+* DSIR (:func:`dsir_select_stage`): hashed unigram+bigram bag-of-words models of the validation texts (target) and
+  of the candidate texts (raw), the log importance weight of each candidate, then k drawn without replacement with
+  probability proportional to the weight (Gumbel top-k with the stage seed).  Pure CPU work in the driver.
+* LESS (:func:`less_select_stage`): one Ray task (1 GPU when the cluster has one) on the base model: LoRA warmup on
+  a seeded random share of the candidates with AdamW, per-candidate LoRA gradients turned into the Adam update
+  direction of the warmup optimizer state, plain LoRA gradients of the validation examples, one seeded random
+  projection of both to ``dim``, the mean cosine to the validation features as the score, and the top k.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from raycurate.rundir import RunDir
+from raycurate.stages.base import StageOutput, output_path, run_stage
+from raycurate.stages.p2d import clean_labels, precision
+from raycurate.stages.runtime import run_as_task
+
+SELECTION_FILE = "selection.parquet"
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# Projection matrices up to this many entries (1 GiB of float32) are built once; larger ones are generated block
+# by block for every chunk of examples (the same matrix, much slower).
+MAX_DENSE_PROJECTION = 2**28
+# Per-example gradients held at once before projecting: at most this many float32 entries (256 MiB), <= 64 rows.
+FEATURE_CHUNK_ENTRIES = 2**26
+MAX_FEATURE_CHUNK = 64
+
+
+# --------------------------------------------------------------------------------------------- shared
+
+
+def selection_count(fraction: float, n: int) -> int:
+    """``round(fraction * n)`` with halves rounded up (as :func:`raycurate.algorithms.less.select_top_fraction`),
+    clamped to ``[1, n]``."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"bilevel.select_fraction={fraction} must lie in (0, 1]; it is the share of candidates kept")
+    if n < 1:
+        raise ValueError("the candidate table is empty; check data.split_ratios gives the candidate split rows")
+    return min(n, max(1, math.floor(fraction * n + 0.5 + 1e-9)))
+
+
+def token_table(run: RunDir, tokens_stage: str, columns: list[str]) -> Path:
+    """Path of a stage's token table, after checking that it has ``columns``."""
+    import pyarrow.parquet as pq
+
+    path = output_path(run, tokens_stage, "tokens")
+    parts = sorted(Path(path).glob("*.parquet"))
+    if not parts:
+        raise ValueError(f"token table of stage '{tokens_stage}' ({path}) has no parquet files")
+    present = set(pq.read_schema(parts[0]).names)
+    missing = [c for c in columns if c not in present]
+    if missing:
+        raise ValueError(f"token table of stage '{tokens_stage}' lacks columns {missing} (has {sorted(present)}); "
+                         "selection needs the tokenized rows with their original record columns")
+    return path
+
+
+def sorted_rows(path: str | Path, columns: list[str]) -> list[dict]:
+    """Rows of a token table folder sorted by id (the order of every selection output)."""
+    from raycurate.stages.bridge import read_token_rows
+
+    rows = sorted(read_token_rows(Path(path), columns), key=lambda r: r["id"])
+    if not rows:
+        raise ValueError(f"token table {path} has no rows; check the split that feeds it")
+    return rows
+
+
+def read_rows(run: RunDir, tokens_stage: str, columns: list[str]) -> list[dict]:
+    """Rows of a stage's token table sorted by id, after checking that it has ``columns``."""
+    return sorted_rows(token_table(run, tokens_stage, columns), columns)
+
+
+def example_text(row: dict) -> str:
+    """The text a data selector sees: ``prompt + "\\n" + response``."""
+    return f"{row['prompt']}\n{row['response']}"
+
+
+def write_selection(path: Path, ids: list[str], score_name: str, scores: list[float], chosen: set[str]) -> None:
+    """``selection.parquet``: one row per candidate (``id``, ``score_name``, ``selected``) in the order of ``ids``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": pa.array(ids, type=pa.string()),
+                             score_name: pa.array(scores, type=pa.float64()),
+                             "selected": pa.array([i in chosen for i in ids], type=pa.bool_())}), path)
+
+
+def selection_metrics(run: RunDir, candidate_stage: str, ids: list[str], chosen: list[str]) -> dict:
+    """Counts and, where the candidates carry ground-truth labels, the clean share of the selection and pool."""
+    labels = clean_labels(run, candidate_stage)
+    return {"candidates": len(ids), "selected": len(chosen), "precision_selected": precision(chosen, labels),
+            "precision_pool": precision(ids, labels)}
+
+
+# --------------------------------------------------------------------------------------------- DSIR
+
+
+def dsir_log_weights(target_texts: list[str], raw_texts: list[str], buckets: int) -> Any:
+    """DSIR log importance weight of every raw text against the target texts.
+
+    Returns:
+        (len(raw_texts),) float64 ``log p_target(x) - log p_raw(x)`` under the hashed n-gram models.
+    """
+    from raycurate.algorithms import dsir
+
+    log_p_target = dsir.smoothed_log_probs(dsir.bucket_counts(target_texts, buckets))
+    log_p_raw = dsir.smoothed_log_probs(dsir.bucket_counts(raw_texts, buckets))
+    return dsir.log_importance_weights(raw_texts, log_p_target, log_p_raw)
+
+
+def dsir_select_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage: str, fraction: float,
+                      buckets: int, seed: int, force: bool = False) -> dict:
+    """DSIR baseline: importance-resample ``round(fraction * N)`` candidates towards the validation texts.
+
+    Args:
+        run: The run directory.
+        stage: Name of this stage.
+        candidate_stage: Stage whose ``tokens`` table holds the candidate pool (columns id, prompt, response).
+        validation_stage: Stage whose ``tokens`` table holds the target (validation) examples.
+        fraction: Share of candidates kept, in (0, 1].
+        buckets: Hashed n-gram buckets.
+        seed: Seed of the Gumbel top-k resampling.
+        force: Re-run even when current.
+
+    Returns:
+        The stage record; output ``selection`` (id, log_weight, selected), metrics selected / precision.
+    """
+    from raycurate.algorithms import dsir
+
+    selection_count(fraction, 1)  # validates fraction before reading anything
+    if buckets < 1:
+        raise ValueError(f"bilevel.dsir_buckets={buckets} must be >= 1")
+
+    def body(out: Path) -> StageOutput:
+        candidates = read_rows(run, candidate_stage, ["id", "prompt", "response"])
+        targets = read_rows(run, validation_stage, ["id", "prompt", "response"])
+        ids = [r["id"] for r in candidates]
+        log_w = dsir_log_weights([example_text(r) for r in targets], [example_text(r) for r in candidates], buckets)
+        drawn = dsir.resample(log_w, selection_count(fraction, len(ids)), seed)
+        chosen = sorted(ids[i] for i in drawn)
+        write_selection(out / SELECTION_FILE, ids, "log_weight", [float(w) for w in log_w], set(chosen))
+        return StageOutput(outputs={"selection": SELECTION_FILE}, metrics={
+            **selection_metrics(run, candidate_stage, ids, chosen), "validation": len(targets), "buckets": buckets})
+
+    config = {"method": "dsir", "fraction": fraction, "buckets": buckets, "seed": seed}
+    return run_stage(run, stage, body, config=config, upstream=[candidate_stage, validation_stage], force=force)
+
+
+# --------------------------------------------------------------------------------------------- LESS
+
+
+def trainable_named(model: Any) -> list[tuple[str, Any]]:
+    """The parameters that receive gradients, in module order (the order of every flattened feature)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def warmup_lora(model: Any, rows: list[dict], *, pad_id: int, epochs: int, lr: float, batch_size: int,
+                seed: int) -> tuple[Any, list[float]]:
+    """LESS warmup: AdamW on the LoRA parameters over ``rows`` for ``epochs`` epochs (constant lr, no decay).
+
+    Args:
+        model: A model whose trainable parameters are the LoRA adapter.
+        rows: Token rows (``input_ids``, ``loss_mask``) of the warmup subset.
+        pad_id: Padding token id.
+        epochs: Passes over ``rows``, each in a fresh seeded order.
+        lr: AdamW learning rate.
+        batch_size: Rows per optimizer step.
+        seed: Seed of the row order.
+
+    Returns:
+        (the optimizer, holding Adam's moments for every LoRA parameter; the mean loss of each epoch).
+    """
+    import numpy as np
+    import torch
+
+    from raycurate.algorithms.bridge import pad_rows
+    from raycurate.algorithms.losses import example_losses
+
+    params = [p for _, p in trainable_named(model)]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # LESS trains with HF's default decay 0
+    device = params[0].device
+    rng = np.random.default_rng(seed)
+    epoch_losses = []
+    model.train()
+    for _ in range(epochs):
+        order = rng.permutation(len(rows))
+        losses = []
+        for lo in range(0, len(rows), batch_size):
+            batch = {k: v.to(device) for k, v in pad_rows([rows[i] for i in order[lo:lo + batch_size]],
+                                                          pad_id).items()}
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+            loss = example_losses(logits, batch["input_ids"], batch["loss_mask"]).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        epoch_losses.append(sum(losses) / len(losses))
+    model.eval()
+    return optimizer, epoch_losses
+
+
+def adam_moments(optimizer: Any, params: list[Any]) -> tuple[Any, Any]:
+    """Adam's ``exp_avg`` and ``exp_avg_sq`` flattened in the order of ``params`` (zeros for a parameter that never
+    received a step).
+
+    Returns:
+        ((P,), (P,)) float32 tensors on the parameters' device.
+    """
+    import torch
+
+    avg, avg_sq = [], []
+    for p in params:
+        state = optimizer.state.get(p, {})
+        avg.append(state.get("exp_avg", torch.zeros_like(p)).reshape(-1).float())
+        avg_sq.append(state.get("exp_avg_sq", torch.zeros_like(p)).reshape(-1).float())
+    return torch.cat(avg), torch.cat(avg_sq)
+
+
+def example_gradients(model: Any, rows: list[dict], params: list[Any], *, pad_id: int,
+                      chunk: int) -> Iterator[Any]:
+    """Flattened gradient of each row's masked mean loss, one backward per row, yielded in chunks.
+
+    Yields:
+        (C, P) float32 gradients, C <= ``chunk``, rows in order.
+    """
+    import torch
+
+    from raycurate.algorithms.bridge import pad_rows
+    from raycurate.algorithms.losses import example_losses
+
+    device = params[0].device
+    for lo in range(0, len(rows), chunk):
+        grads = []
+        for row in rows[lo:lo + chunk]:
+            batch = {k: v.to(device) for k, v in pad_rows([row], pad_id).items()}
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (1, T, V)
+            loss = example_losses(logits, batch["input_ids"], batch["loss_mask"])[0]
+            grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]).float())  # (P,)
+        yield torch.stack(grads)
+
+
+class Projector:
+    """The seeded (P, d) Rademacher projection of :mod:`raycurate.algorithms.less`, dense when it fits in
+    :data:`MAX_DENSE_PROJECTION` entries, else generated block by block on every call (same matrix)."""
+
+    def __init__(self, dim_in: int, dim_out: int, seed: int, device: Any):
+        from raycurate.algorithms.less import random_projection
+
+        self.dim_out, self.seed = dim_out, seed
+        dense = dim_in * dim_out <= MAX_DENSE_PROJECTION
+        self.matrix = random_projection(dim_in, dim_out, seed).to(device) if dense else None
+
+    def __call__(self, features: Any) -> Any:
+        """(C, P) -> (C, d) float32 on the CPU."""
+        from raycurate.algorithms.less import project, project_in_blocks
+
+        if self.matrix is not None:
+            return project(features, self.matrix).cpu()
+        return project_in_blocks(features.cpu(), self.dim_out, self.seed)
+
+
+def gradient_features(model: Any, rows: list[dict], *, pad_id: int, projector: Projector,
+                      moments: tuple[Any, Any] | None = None, betas: tuple[float, float] = (0.9, 0.999),
+                      eps: float = 1e-8) -> Any:
+    """Projected LoRA gradient features of ``rows``: Adam directions when ``moments`` is given (LESS's training
+    features), plain gradients otherwise (its validation features).
+
+    Returns:
+        (len(rows), d) float32 features on the CPU.
+    """
+    import torch
+
+    from raycurate.algorithms.less import adam_preconditioned
+
+    params = [p for _, p in trainable_named(model)]
+    n_params = sum(p.numel() for p in params)
+    chunk = max(1, min(MAX_FEATURE_CHUNK, FEATURE_CHUNK_ENTRIES // n_params))
+    feats = []
+    for grads in example_gradients(model, rows, params, pad_id=pad_id, chunk=chunk):  # (C, P)
+        if moments is not None:
+            grads = adam_preconditioned(grads, moments[0], moments[1], eps=eps, beta1=betas[0], beta2=betas[1])
+        feats.append(projector(grads))  # (C, d)
+    return torch.cat(feats)
+
+
+def less_scores_task(model_dir: str, candidate_tokens: str, validation_tokens: str, *, lora_r: int,
+                     lora_alpha: float, dim: int, warmup_fraction: float, warmup_epochs: int, lr: float,
+                     batch_size: int, seed: int) -> dict:
+    """The model part of LESS, inside a Ray task: warmup, gradient features, scores.
+
+    Args:
+        model_dir: Base model checkpoint.
+        candidate_tokens: Candidate token table folder (``id``, ``input_ids``, ``loss_mask``).
+        validation_tokens: Validation token table folder.
+        lora_r, lora_alpha: LoRA adapter on q/k/v/o projections.
+        dim: Projection dimension d.
+        warmup_fraction: Share of the candidates (seeded random draw, at least one) the warmup trains on.
+        warmup_epochs: Warmup epochs.
+        lr: Warmup AdamW learning rate.
+        batch_size: Warmup rows per step.
+        seed: Seed of the LoRA init, the warmup subset and order, and the projection.
+
+    Returns:
+        ``ids`` of the candidates (sorted), their ``scores`` in that order, and summary numbers.
+    """
+    import numpy as np
+    import torch
+
+    from raycurate.algorithms.less import less_scores
+    from raycurate.models.adapters import apply_adapter
+    from raycurate.models.loading import best_device, load_model, load_tokenizer
+
+    columns = ["id", "input_ids", "loss_mask"]
+    candidate_rows, validation_rows = sorted_rows(candidate_tokens, columns), sorted_rows(validation_tokens, columns)
+    device = best_device()
+    if device == "cpu":
+        torch.set_flush_denormal(True)  # denormal arithmetic slows CPU backward passes several-fold
+    torch.manual_seed(seed)  # LoRA A matrices are drawn at attach time
+    model = apply_adapter(load_model(model_dir, dtype="float32", device=device),
+                          {"kind": "lora", "r": lora_r, "alpha": lora_alpha, "targets": LORA_TARGETS})
+    pad_id = load_tokenizer(model_dir).pad_token_id or 0
+    n_warm = max(1, math.floor(warmup_fraction * len(candidate_rows) + 0.5))
+    warm = np.sort(np.random.default_rng(seed).choice(len(candidate_rows), size=n_warm, replace=False))
+
+    started = time.time()
+    optimizer, epoch_losses = warmup_lora(model, [candidate_rows[i] for i in warm], pad_id=pad_id,
+                                          epochs=warmup_epochs, lr=lr, batch_size=batch_size, seed=seed)
+    warmup_seconds = time.time() - started
+
+    started = time.time()
+    params = [p for _, p in trainable_named(model)]
+    n_params = sum(p.numel() for p in params)
+    projector = Projector(n_params, dim, seed, device)  # also when n_params <= dim: one code path
+    group = optimizer.param_groups[0]
+    train = gradient_features(model, candidate_rows, pad_id=pad_id, projector=projector,
+                              moments=adam_moments(optimizer, params), betas=group["betas"], eps=group["eps"])
+    val = gradient_features(model, validation_rows, pad_id=pad_id, projector=projector)
+    scores = less_scores(train, val)  # (N,)
+    return {"ids": [r["id"] for r in candidate_rows], "scores": scores.tolist(), "validation": len(validation_rows),
+            "lora_parameters": n_params, "warmup_rows": n_warm,
+            "warmup_losses": epoch_losses, "warmup_seconds": round(warmup_seconds, 3),
+            "feature_seconds": round(time.time() - started, 3), "device": device}
+
+
+def less_select_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage: str, base_stage: str,
+                      fraction: float, lora_r: int, lora_alpha: float, dim: int, warmup_fraction: float,
+                      warmup_epochs: int = 4, lr: float = 2e-5, batch_size: int = 4, seed: int,
+                      force: bool = False) -> dict:
+    """LESS baseline: the top ``round(fraction * N)`` candidates by gradient similarity to the validation set.
+
+    LESS averages the scores of several warmup checkpoints weighted by their learning rate
+    (:func:`raycurate.algorithms.less.combine_checkpoint_scores`); this stage scores one checkpoint, the end of
+    warmup, and trains the warmup at a constant learning rate.  When the LoRA parameter count P is at most ``dim``
+    the projection does not reduce anything, and the features still go through the same seeded projection so the
+    scores come from one code path (a random projection to d >= P preserves cosines in expectation).
+
+    Args:
+        run: The run directory.
+        stage: Name of this stage.
+        candidate_stage: Stage whose ``tokens`` table holds the candidates.
+        validation_stage: Stage whose ``tokens`` table holds the validation (target) examples.
+        base_stage: Stage whose ``model`` output is the base checkpoint the warmup starts from.
+        fraction: Share of candidates kept, in (0, 1].
+        lora_r: LoRA rank of the warmup adapter.
+        lora_alpha: LoRA alpha.
+        dim: Random-projection dimension of the gradient features.
+        warmup_fraction: Share of candidates the warmup trains on, in (0, 1].
+        warmup_epochs: Warmup epochs (LESS: 4).
+        lr: Warmup learning rate (LESS: 2e-5).
+        batch_size: Warmup rows per optimizer step.
+        seed: Seed of LoRA init, warmup subset, order and projection.
+        force: Re-run even when current.
+
+    Returns:
+        The stage record; output ``selection`` (id, score, selected).
+    """
+    selection_count(fraction, 1)  # validates fraction before any model work
+    if not 0.0 < warmup_fraction <= 1.0:
+        raise ValueError(f"less warmup_fraction={warmup_fraction} must lie in (0, 1]")
+    for name, value in (("warmup_epochs", warmup_epochs), ("dim", dim), ("lora_r", lora_r),
+                        ("batch_size", batch_size)):
+        if value < 1:
+            raise ValueError(f"less {name}={value} must be >= 1")
+
+    def body(out: Path) -> StageOutput:
+        import torch
+
+        from raycurate.algorithms.less import select_top_fraction
+
+        columns = ["id", "input_ids", "loss_mask"]
+        info = run_as_task(less_scores_task, str(output_path(run, base_stage, "model")),
+                           str(token_table(run, candidate_stage, columns)),
+                           str(token_table(run, validation_stage, columns)), lora_r=lora_r, lora_alpha=lora_alpha,
+                           dim=dim, warmup_fraction=warmup_fraction, warmup_epochs=warmup_epochs, lr=lr,
+                           batch_size=batch_size, seed=seed)
+        ids, scores = info.pop("ids"), info.pop("scores")
+        k = selection_count(fraction, len(ids))
+        top = select_top_fraction(torch.tensor(scores), k / len(ids))  # k / N of N rows rounds back to exactly k
+        chosen = sorted(ids[int(i)] for i in top)
+        write_selection(out / SELECTION_FILE, ids, "score", scores, set(chosen))
+        return StageOutput(outputs={"selection": SELECTION_FILE}, metrics={
+            **selection_metrics(run, candidate_stage, ids, chosen), "dim": dim, **info})
+
+    config = {"method": "less", "fraction": fraction, "lora_r": lora_r, "lora_alpha": lora_alpha, "dim": dim,
+              "warmup_fraction": warmup_fraction, "warmup_epochs": warmup_epochs, "lr": lr,
+              "batch_size": batch_size, "seed": seed}
+    return run_stage(run, stage, body, config=config, upstream=[candidate_stage, validation_stage, base_stage],
+                     force=force)
