@@ -3,16 +3,15 @@ outputs, exact omega restore on resume, and (slow) omega bit-identical across 2 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from sessions import Crash, LocalSession
 
 from raycurate.algorithms import bilevel
 from raycurate.config.train import TrainConfig
@@ -76,33 +75,6 @@ def tables(tmp_path_factory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("tables")
     return (_write_token_table(str(root / "cand.parquet"), 10, seed=1, prefix="cand"),
             _write_token_table(str(root / "val.parquet"), 6, seed=2, prefix="val"))
-
-
-class _Crash(RuntimeError):
-    pass
-
-
-class LocalSession:
-    """Single-process stand-in for Ray Train: keeps reported checkpoints, can crash after the n-th one."""
-
-    rank, world_size, device = 0, 1, torch.device("cpu")
-
-    def __init__(self, store: str, crash_after_checkpoints: int | None = None) -> None:
-        self.store, self.crash_after = store, crash_after_checkpoints
-        self.reports: list[dict] = []
-        os.makedirs(store, exist_ok=True)
-
-    @contextlib.contextmanager
-    def restore_dir(self):
-        saved = sorted(os.listdir(self.store))
-        yield os.path.join(self.store, saved[-1]) if saved else None
-
-    def report(self, metrics, checkpoint_dir):
-        self.reports.append(metrics)
-        if checkpoint_dir is not None:
-            shutil.copytree(checkpoint_dir, os.path.join(self.store, f"step_{metrics['step']:05d}"))
-            if self.crash_after is not None and len(os.listdir(self.store)) == self.crash_after:
-                raise _Crash("simulated worker failure")
 
 
 def _cfg(**overrides) -> TrainConfig:
@@ -204,7 +176,7 @@ def test_bds_loop_writes_weights_and_resume_restores_omega_exactly(tiny_model, t
     straight = bt.bds_train_loop(straight_job, LocalSession(str(tmp_path / "ckpt_a")))
 
     resumed_job = _job(tables, tiny_model, str(tmp_path / "resumed"), cfg)
-    with pytest.raises(_Crash):  # dies right after the step-3 checkpoint
+    with pytest.raises(Crash):  # dies right after the step-3 checkpoint
         bt.bds_train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b"), crash_after_checkpoints=1))
     saved = bt.load_omega_state(os.path.join(tmp_path / "ckpt_b", "step_00003", bt.OMEGA_STATE_FILE),
                                 bt.ids_digest(load_token_table(tables[0]).ids))

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import time
 
 import numpy as np
@@ -13,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from sessions import Crash, LocalSession
 
 from raycurate.config.train import TrainConfig
 from raycurate.stages.deepspeed_config import deepspeed_config, grad_accum_steps
@@ -175,33 +174,6 @@ def test_token_table_sorted_by_id_default_weight_and_collate(tmp_path):
 # ------------------------------------------------------------------------------------------ loop, in-process
 
 
-class _Crash(RuntimeError):
-    pass
-
-
-class LocalSession:
-    """Single-process stand-in for Ray Train: keeps reported checkpoints, can crash after the n-th one."""
-
-    rank, world_size, device = 0, 1, torch.device("cpu")
-
-    def __init__(self, store: str, crash_after_checkpoints: int | None = None) -> None:
-        self.store, self.crash_after = store, crash_after_checkpoints
-        self.reports: list[dict] = []
-        os.makedirs(store, exist_ok=True)
-
-    @contextlib.contextmanager
-    def restore_dir(self):
-        saved = sorted(os.listdir(self.store))
-        yield os.path.join(self.store, saved[-1]) if saved else None
-
-    def report(self, metrics, checkpoint_dir):
-        self.reports.append(metrics)
-        if checkpoint_dir is not None:
-            shutil.copytree(checkpoint_dir, os.path.join(self.store, f"step_{metrics['step']:05d}"))
-            if self.crash_after is not None and len(os.listdir(self.store)) == self.crash_after:
-                raise _Crash("simulated worker failure")
-
-
 def test_resumed_loop_matches_uninterrupted_run(tiny_model, token_table, tmp_path):
     # 16 rows, effective batch 4 -> 4 steps/epoch; 6 steps cross an epoch; accumulation of 2 micro-batches.
     cfg = TrainConfig(engine="ddp", micro_batch_size=2, effective_batch_size=4, epochs=2, max_steps=6, lr=1e-2,
@@ -210,7 +182,7 @@ def test_resumed_loop_matches_uninterrupted_run(tiny_model, token_table, tmp_pat
     straight = train_loop(straight_job, LocalSession(str(tmp_path / "ckpt_a")))
 
     resumed_job = SFTJob(token_table, tiny_model, str(tmp_path / "resumed"), cfg, False, 1.0)
-    with pytest.raises(_Crash):  # dies right after the step-3 checkpoint, mid-epoch 0
+    with pytest.raises(Crash):  # dies right after the step-3 checkpoint, mid-epoch 0
         train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b"), crash_after_checkpoints=1))
     assert not os.path.exists(resumed_job.output_dir)
     resumed = train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b")))
