@@ -46,4 +46,4 @@ def test_bilevel_pipeline_end_to_end(tmp_path, ray_local):
     assert stages["bilevel_mix_1_rows"]["metrics"]["validation"] == 0
     for method in ("dsir", "less"):
         picked = pq.read_table(run_dir / f"bilevel_{method}_select/selection.parquet").to_pylist()
-        assert sum(r["selected"] for r in picked) == round(0.5 * candidates)
+        assert sum(r["selected"] for r in picked) == int(0.5 * candidates + 0.5)  # halves round up

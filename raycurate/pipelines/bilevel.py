@@ -71,11 +71,12 @@ def selection_ids(run: Any, cfg: Any, method: str) -> list[str]:
     """Candidate ids chosen by a selection baseline (random, dsir, less)."""
     from raycurate.stages.p2d import seeded_sample, selected_ids, token_ids
 
+    from raycurate.stages.bilevel_select import dsir_select_stage, less_select_stage, selection_count
+
     bilevel = cfg.bilevel
     if method == "random":
         ids = token_ids(run, "bilevel_candidate_rows")
-        return seeded_sample(ids, max(1, round(bilevel.select_fraction * len(ids))), bilevel.seed)
-    from raycurate.stages.bilevel_select import dsir_select_stage, less_select_stage
+        return seeded_sample(ids, selection_count(bilevel.select_fraction, len(ids)), bilevel.seed)
 
     stage = f"bilevel_{method}_select"
     if method == "dsir":
