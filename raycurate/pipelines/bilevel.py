@@ -69,9 +69,8 @@ def adapter_spec(bilevel: Any) -> dict | None:
 
 def selection_ids(run: Any, cfg: Any, method: str) -> list[str]:
     """Candidate ids chosen by a selection baseline (random, dsir, less)."""
-    from raycurate.stages.p2d import seeded_sample, selected_ids, token_ids
-
     from raycurate.stages.bilevel_select import dsir_select_stage, less_select_stage, selection_count
+    from raycurate.stages.p2d import seeded_sample, selected_ids, token_ids
 
     bilevel = cfg.bilevel
     if method == "random":
