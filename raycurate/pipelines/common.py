@@ -108,9 +108,10 @@ def lm_eval_models(run: RunDir, cfg: Any, model_stages: dict[str, str]) -> dict:
 
 
 def record_heldout(run: RunDir, heldout: dict) -> None:
-    """Save ``results.heldout`` in the manifest, keeping the other result sections (e.g. ``lm_eval``)."""
+    """Merge ``{model: metrics}`` into the manifest's ``results.heldout`` (other pipelines' models and result
+    sections such as ``lm_eval`` stay), so several pipelines run in one directory compare in one table."""
     results = run.load_manifest().get("results") or {}
-    run.update_manifest(results={**results, "heldout": heldout})
+    run.update_manifest(results={**results, "heldout": {**results.get("heldout", {}), **heldout}})
 
 
 def run_standalone(cfg: Any, stages: Any) -> dict:
