@@ -69,3 +69,24 @@ def test_demo_end_to_end_resume_and_rerun_downstream_only(tmp_path, ray_local, c
     after = _finished(run_dir)
     rerun = {name for name in before if after[name] != before[name]}
     assert rerun == {name for name in before if name.startswith("eval_")}
+
+
+def test_demo_report_renders_in_chromium_without_errors(tmp_path, ray_local):
+    """The demo's own report (not a synthetic one) in headless Chromium; the screenshot stays in the run dir."""
+    from browser import Chromium, find_chromium
+
+    if find_chromium() is None:
+        pytest.skip("no chromium on PATH (scripts/install_chromium.sh installs it)")
+    run_dir = tmp_path / "demo"
+    args = ["demo", "--out", str(run_dir), "data.corpus_rows=60", "data.heldout_rows=4", "model.pretrain_steps=5",
+            "model.pretrain_rows=200", f"model.cache_dir={tmp_path / 'cache'}", "train.max_steps=1",
+            "eval.max_new_tokens=4", "run.progress=false", "train.micro_batch_size=2",
+            "train.effective_batch_size=4", "demo.methods=[sft]"]
+    assert main(args) == 0
+    with Chromium() as browser:
+        page = browser.open(run_dir / "report.html")
+        ids = page.evaluate("[...document.querySelectorAll('h2[id]')].map(h => h.id)")
+        page.screenshot(run_dir / "report.png")
+    assert not page.errors, page.errors
+    assert {"summary", "rows", "timings", "results", "lm_eval", "corpus"} <= set(ids)
+    assert (run_dir / "report.png").stat().st_size > 10_000
