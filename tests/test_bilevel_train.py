@@ -312,13 +312,16 @@ def test_online_responses_are_checkpointed_and_hook_runs_every_k_steps(tiny_mode
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_omega_is_bit_identical_on_two_deepspeed_workers(ray_local, tiny_model, tables, tmp_path):
+@pytest.mark.parametrize("zero_stage,adapter", [(2, None), (3, {"kind": "lora", "r": 4, "alpha": 8})],
+                         ids=["zero2-full", "zero3-lora"])
+def test_omega_is_bit_identical_on_two_deepspeed_workers(ray_local, tiny_model, tables, tmp_path, zero_stage,
+                                                         adapter):
     out = str(tmp_path / "model")
-    cfg = TrainConfig(engine="deepspeed", zero_stage=2, num_workers=2, micro_batch_size=1, effective_batch_size=4,
-                      max_steps=4, lr=1e-2, log_every_steps=1)
+    cfg = TrainConfig(engine="deepspeed", zero_stage=zero_stage, num_workers=2, micro_batch_size=1,
+                      effective_batch_size=4, max_steps=4, lr=1e-2, log_every_steps=1)
     metrics = bt.run_bds(tables[0], tables[1], tiny_model, out, cfg,
                          bt.BDSSettings(val_batch=2, cand_batch=2, omega_lr=0.05),
-                         storage_dir=str(tmp_path / "rs"), name="bds")
+                         storage_dir=str(tmp_path / "rs"), name="bds", adapter=adapter)
     assert metrics["world_size"] == 2 and metrics["steps"] == 4
     digests = metrics["omega_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]

@@ -315,3 +315,23 @@ def test_lora_loop_trains_only_the_adapter_and_exports_a_merged_checkpoint(tiny_
     changed = {k for k in init if not torch.equal(merged[k], init[k])}
     assert changed and all(("q_proj" in k or "v_proj" in k) for k in changed)
     assert os.path.exists(os.path.join(job.output_dir, "adapter", "adapter_config.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("adapter", [{"kind": "lora", "r": 4, "alpha": 8},
+                                     {"kind": "head_delta", "heads": [[0, 1], [1, 2]], "train_o": True}],
+                         ids=["lora", "head_delta"])
+def test_deepspeed_zero3_two_workers_trains_adapters_and_exports_merged(ray_local, tiny_model, token_table, tmp_path,
+                                                                          adapter):
+    out = str(tmp_path / "model")
+    cfg = TrainConfig(engine="deepspeed", zero_stage=3, num_workers=2, micro_batch_size=1, effective_batch_size=4,
+                      max_steps=2, lr=5e-2, log_every_steps=1)
+    metrics = _launch(f"deepspeed zero3 {adapter['kind']}", token_table, tiny_model, out, cfg,
+                      storage_dir=str(tmp_path / "ray_storage"), name="sft", adapter=adapter)
+    assert metrics["steps"] == 2 and metrics["zero_stage"] == 3 and metrics["adapter"] == adapter["kind"]
+    assert all(np.isfinite(metrics["loss_per_step"]))
+    merged, init = _weights(out), _weights(tiny_model)
+    assert set(merged) == set(init)  # a plain HF checkpoint
+    changed = {k for k in init if not torch.equal(merged[k], init[k])}
+    assert changed and all("self_attn" in k for k in changed)
