@@ -21,6 +21,7 @@ def test_full_batch_recipe_takes_one_step_per_epoch_over_all_rows():
     cfg = full_batch_train_config(TrainConfig(num_workers=2, micro_batch_size=4), rows=100, steps=20, lr=2e-5)
     assert cfg.effective_batch_size == 100 and cfg.micro_batch_size == 2  # 100 = 2 workers x 25 accum x 2
     assert cfg.max_steps == 20 and cfg.epochs == 20 and cfg.lr == 2e-5 and cfg.warmup_ratio == 0.0
+    assert cfg.checkpoint_every_steps == 20  # one checkpoint, not one per one-step epoch
     with pytest.raises(ValueError, match="not divisible"):
         full_batch_train_config(TrainConfig(num_workers=2), rows=101, steps=20, lr=2e-5)
 

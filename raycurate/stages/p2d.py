@@ -68,8 +68,9 @@ def full_batch_train_config(train_cfg: Any, rows: int, steps: int, lr: float) ->
     if micro is None:
         raise ValueError(f"p2d.proxy_examples={rows} is not divisible by train.num_workers={workers}; pick a "
                          "multiple so every optimizer step sees the full batch")
+    # one step per epoch: checkpoint once at the end, not after every (one-step) epoch
     return dataclasses.replace(train_cfg, lr=lr, epochs=steps, max_steps=steps, micro_batch_size=micro,
-                               effective_batch_size=rows, warmup_ratio=0.0, checkpoint_every_steps=None)
+                               effective_batch_size=rows, warmup_ratio=0.0, checkpoint_every_steps=steps)
 
 
 # --------------------------------------------------------------------------------------------- head scoring
