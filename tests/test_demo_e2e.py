@@ -44,7 +44,8 @@ def test_demo_end_to_end_resume_and_rerun_downstream_only(tmp_path, ray_local, c
                 *(f"train_{m}" for m in methods), *(f"eval_{m}" for m in methods),
                 "bridge_warmup_rows", "bridge_validation_rows", "bridge_selection_rows", "bridge_warmup",
                 "bridge_direction", "bridge_select", "bridge_compact", "bridge_diagnostics",
-                *(f"baseline_{b}_{k}" for b in ("random", "token_cleaning") for k in ("masks", "compact"))}
+                *(f"baseline_{b}_{k}" for b in ("random", "token_cleaning") for k in ("masks", "compact")),
+                *(f"lm_eval_{m}" for m in ("base", "mixed", "clean", "bridge"))}
     assert set(manifest["stages"]) == expected
     assert all(rec["status"] == "done" and rec["seconds"] >= 0 for rec in manifest["stages"].values())
     assert manifest["stages"]["train_mixed"]["metrics"]["steps"] == 2
@@ -68,7 +69,7 @@ def test_demo_end_to_end_resume_and_rerun_downstream_only(tmp_path, ray_local, c
     assert main([*args, "eval.max_new_tokens=9"]) == 0
     after = _finished(run_dir)
     rerun = {name for name in before if after[name] != before[name]}
-    assert rerun == {name for name in before if name.startswith("eval_")}
+    assert rerun == {name for name in before if name.startswith(("eval_", "lm_eval_"))}
 
 
 def test_demo_report_renders_in_chromium_without_errors(tmp_path, ray_local):

@@ -90,6 +90,15 @@ def lm_eval_models(run: RunDir, cfg: Any, model_stages: dict[str, str]) -> dict:
     """lm-eval (``eval.lm_eval_tasks``) on each ``{name: model stage}``; results go to ``results.lm_eval``."""
     if not cfg.eval.lm_eval_tasks:
         return {}
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        message = ("lm-eval is not installed, so eval.lm_eval_tasks were skipped; install it with "
+                   "`pip install 'raycurate[eval]'` (or bash scripts/bootstrap.sh eval) and re-run")
+        log.warning(message)
+        results = run.load_manifest().get("results") or {}
+        run.update_manifest(results={**results, "lm_eval_skipped": message})
+        return {}
     from raycurate.stages.lm_eval import lm_eval_stage
 
     results = {}

@@ -7,6 +7,7 @@ parameters, metric, last rung, status), ``best.yaml`` (the job with the best tri
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -49,15 +50,14 @@ def make_trial(sweep: SweepConfig, job: Path, runs_dir: str) -> Any:
     """The Tune function trainable: runs the pipeline once per rung and reports the manifest metric."""
 
     def trial(params: dict) -> None:
-        import logging as _logging
+        from raycurate.stages.tune_runner import report, run_job_process
 
-        from raycurate.pipelines import run_pipeline
-        from raycurate.stages.tune_runner import report
-
-        _logging.basicConfig(level=_logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         rungs = range(1, sweep.scheduler.rungs + 1) if sweep.scheduler.type == "asha" else [None]
         for rung in rungs:
-            manifest = run_pipeline(job_config(job, trial_overrides(sweep, params, rung, runs_dir)))
+            overrides = trial_overrides(sweep, params, rung, runs_dir)
+            job_config(job, overrides)  # fail in the trial with a config error, not in the child process
+            run_job_process(str(job), overrides)
+            manifest = json.loads((Path(runs_dir) / sweep.name / "manifest.json").read_text())
             value = manifest_value(manifest, sweep.metric)
             if value is None:
                 raise ValueError(f"metric {sweep.metric!r} is not in the run manifest; pick a dotted path that "

@@ -14,6 +14,7 @@ Decisions (documented in ``docs/ray.md``):
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -105,6 +106,9 @@ def run_as_task(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return ray.get(task.remote(*args, **kwargs))
 
 
+RESERVE_HEADROOM = 0.05  # CPUs kept free besides the read task's whole CPU
+
+
 def actor_cpus(requested: float | None, num_actors: int, total_cpus: float) -> float:
     """CPUs per actor that always leave one whole CPU for Ray Data's read/write tasks.
 
@@ -117,8 +121,10 @@ def actor_cpus(requested: float | None, num_actors: int, total_cpus: float) -> f
         total_cpus: CPUs in the cluster.
 
     Returns:
-        ``requested`` when the pool plus one spare CPU fits, else the fraction that leaves one CPU free.
+        ``requested`` when the pool plus one spare CPU fits, else the fraction that leaves one CPU free plus
+        :data:`RESERVE_HEADROOM` for small standing reservations (e.g. a Tune trial's 0.01-CPU bundle).
     """
-    if requested is not None and requested * num_actors + 1.0 <= total_cpus:
+    spare = 1.0 + RESERVE_HEADROOM
+    if requested is not None and requested * num_actors + spare <= total_cpus:
         return requested
-    return max(0.01, round((total_cpus - 1.0) / max(num_actors, 1), 3))
+    return max(0.01, math.floor((total_cpus - spare) / max(num_actors, 1) * 1000) / 1000)

@@ -4,8 +4,10 @@ The trial body is injected by the caller (``raycurate.pipelines.sweep``), so thi
 Decisions (Ray 2.60, Train V2):
 
 * The trainable is a *function* that runs a whole pipeline; a ``TorchTrainer`` is never handed to the Tuner (Train
-  V2 rejects it).  The trial's own process reserves only ``trial_cpus`` (0.01 by default): every stage inside it
-  (Ray Data pools, Ray Train workers) reserves its own resources from the same cluster.
+  V2 rejects it).  The trial's own process reserves only ``trial_cpus`` (0.01 by default) and starts the pipeline
+  as a child driver process on the same cluster (:func:`run_job_process`): tasks started from inside the trial
+  would be captured by its placement group and could not get the CPUs their Ray Data pools need, while the
+  child's stages (Ray Data pools, Ray Train workers) reserve their own resources from the cluster.
 * Trials run one at a time (``max_concurrent_trials=1``) in one shared run directory, so each trial re-runs only the
   stages whose config its parameters change and reuses everything upstream from the cache.
 * ASHA: a trial reports once per rung; rung k trains the final models to k x ``rung_steps`` steps (the training
@@ -86,6 +88,25 @@ def run_tuner(trial: Callable[[dict], None], params: dict[str, dict], *, metric:
             "error": str(result.error) if result.error else "",
         })
     return rows
+
+
+def run_job_process(job: str, overrides: list[str]) -> None:
+    """Run ``raycurate run JOB overrides`` as a child driver process attached to this Ray cluster.
+
+    A Tune trial's tasks and actors are captured by the trial's placement group (here a 0.01-CPU bundle), so a
+    pipeline run in-process could not schedule its Ray Data pools; a separate driver process is not captured and
+    reserves its stages' resources from the cluster like any job.
+    """
+    import subprocess
+    import sys
+
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "raycurate.cli.main", "run", job, *overrides, f"ray.address={address}"]
+    done = subprocess.run(cmd, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"trial job failed with exit code {done.returncode}: {' '.join(cmd)}")
 
 
 def report(metrics: dict) -> None:
