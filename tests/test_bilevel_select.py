@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from train_helpers import VOCAB, write_tiny_llama
 
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
@@ -24,8 +25,6 @@ from raycurate.stages.bilevel_select import (
     warmup_lora,
 )
 from raycurate.stages.p2d import selected_ids
-
-VOCAB = 64
 
 APPLE_VALIDATION = [
     ("Tell me about apples.", "Red apples and green apples grow on apple trees in the orchard."),
@@ -147,23 +146,7 @@ def test_dsir_names_missing_text_columns(tmp_path):
 
 
 def _write_tiny_model(out: Path) -> StageOutput:
-    import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    path = out / "model"
-    LlamaForCausalLM(config).save_pretrained(path)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>").save_pretrained(path)
+    write_tiny_llama(str(out / "model"))
     return StageOutput(outputs={"model": "model"})
 
 

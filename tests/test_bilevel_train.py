@@ -11,36 +11,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from sessions import Crash, LocalSession
+from train_helpers import VOCAB, Crash, LocalSession, write_tiny_llama
 
 from raycurate.algorithms import bilevel
 from raycurate.config.train import TrainConfig
 from raycurate.stages import bilevel_train as bt
 from raycurate.stages.train import METRICS_FILE, load_token_table
 
-VOCAB = 64
-
-
 # ------------------------------------------------------------------------------------------ fixtures
-
-
-def _write_tiny_model(path: str) -> str:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>").save_pretrained(path)
-    return path
 
 
 def _write_token_table(path: str, rows: int, seed: int, prefix: str) -> str:
@@ -67,7 +45,7 @@ def _write_token_table(path: str, rows: int, seed: int, prefix: str) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    return _write_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")))
+    return write_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
 
 
 @pytest.fixture(scope="module")

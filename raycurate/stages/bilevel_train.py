@@ -66,7 +66,6 @@ import numpy as np
 
 from raycurate.algorithms import bilevel
 from raycurate.config.train import TrainConfig
-from raycurate.models.adapters import apply_adapter, trainable_parameters
 from raycurate.stages.deepspeed_config import grad_accum_steps
 from raycurate.stages.train import (
     METRICS_FILE,
@@ -79,13 +78,11 @@ from raycurate.stages.train import (
     _metrics,
     _should_checkpoint,
     _to_device,
-    _use_bf16,
-    build_engine,
+    build_model_engine,
     collate,
     epoch_order,
     export_hf,
     launch_trainer,
-    load_model,
     load_token_table,
     prepare_worker,
     worker_resources,
@@ -810,12 +807,7 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
     val_table, cand_table = load_token_table(job.validation_table), load_token_table(job.candidate_table)
     per_epoch = bds_steps_per_epoch(len(cand_table), bds.cand_batch)
     run_steps = bds_total_steps(len(cand_table), cfg, bds)
-    bf16 = _use_bf16(cfg, device)
-    load_dtype = torch.bfloat16 if bf16 and cfg.engine == "deepspeed" and device.type == "cuda" else torch.float32
-    model = apply_adapter(load_model(job.init_model, load_dtype), job.adapter)
-    trainable = trainable_parameters(model)
-    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    engine = build_engine(model, cfg, run_steps, device, bf16)
+    engine, trainable, pad_id = build_model_engine(job, run_steps, device)
     digest = ids_digest(cand_table.ids)
     loop = _restore(engine, session, len(cand_table), digest)
     state, curves = loop.train, loop.curves

@@ -438,6 +438,24 @@ class DeepSpeedEngine:
         return self.module.state_dict()
 
 
+def build_model_engine(job: Any, run_steps: int, device: Any) -> tuple[Any, int, int]:
+    """Load ``job.init_model``, attach ``job.adapter`` and wrap it in the configured engine.
+
+    Returns:
+        (engine, trainable parameter count, pad token id).
+    """
+    import torch
+
+    from raycurate.models.adapters import apply_adapter, trainable_parameters
+
+    cfg = job.cfg
+    bf16 = _use_bf16(cfg, device)
+    load_dtype = torch.bfloat16 if bf16 and cfg.engine == "deepspeed" and device.type == "cuda" else torch.float32
+    model = apply_adapter(load_model(job.init_model, load_dtype), job.adapter)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    return build_engine(model, cfg, run_steps, device, bf16), trainable_parameters(model), pad_id
+
+
 def build_engine(model: Any, cfg: TrainConfig, run_steps: int, device: Any, bf16: bool) -> Any:
     """The engine named by ``cfg.engine`` (``deepspeed`` or ``ddp``)."""
     engines = {"deepspeed": DeepSpeedEngine, "ddp": DDPEngine}
@@ -669,14 +687,7 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
     accum = grad_accum_steps(cfg, session.world_size)
     per_epoch = steps_per_epoch(len(table), cfg.effective_batch_size)
     run_steps = total_steps(len(table), cfg)
-    bf16 = _use_bf16(cfg, device)
-    load_dtype = torch.bfloat16 if bf16 and cfg.engine == "deepspeed" and device.type == "cuda" else torch.float32
-    from raycurate.models.adapters import apply_adapter, trainable_parameters
-
-    model = apply_adapter(load_model(job.init_model, load_dtype), job.adapter)
-    trainable = trainable_parameters(model)
-    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    engine = build_engine(model, cfg, run_steps, device, bf16)
+    engine, trainable, pad_id = build_model_engine(job, run_steps, device)
     state = _restore(engine, session)
     if state.step > run_steps:
         raise ValueError(f"the checkpoint being resumed is at step {state.step}, beyond this run's {run_steps} steps; "
