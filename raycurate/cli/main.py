@@ -58,17 +58,26 @@ def _out_to_run(out: str | None) -> dict:
     return {"run": {"runs_dir": str(out_path.parent), "name": out_path.name}}
 
 
+def _run_location(cfg) -> str:
+    """Where the run lives: ``<runs_dir>/<name>`` (a storage URI without its query string, or a local path)."""
+    from raycurate import storage
+
+    if storage.is_uri(cfg.run.runs_dir):
+        return storage.Location.parse(cfg.run.runs_dir).child(cfg.run.name).display
+    return str(Path(cfg.run.runs_dir) / cfg.run.name)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from raycurate.pipelines import run_pipeline
 
     cfg = _load_job(demo_job_path(), args.overrides, _out_to_run(args.out))
     manifest = run_pipeline(cfg)
-    run_dir = Path(cfg.run.runs_dir) / cfg.run.name
+    run_dir = _run_location(cfg)
     print(f"run directory: {run_dir}")
     print(f"rows: {json.dumps({k: manifest['rows'][k] for k in ('input', 'accepted', 'rejected')})}")
     for name, metrics in manifest.get("results", {}).get("heldout", {}).items():
         print(f"held-out {name:<6} " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k != "rows"))
-    print(f"report: {run_dir / 'report.html'}")
+    print(f"report: {run_dir}/report.html")
     return 0
 
 
@@ -85,7 +94,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit("raycurate run: give a job file, e.g. `raycurate run jobs/demo.yaml`")
     cfg = _load_job(Path(args.job), args.overrides)
     run_pipeline(cfg)
-    print(f"run directory: {Path(cfg.run.runs_dir) / cfg.run.name}")
+    print(f"run directory: {_run_location(cfg)}")
     return 0
 
 
@@ -162,7 +171,7 @@ def cmd_train(args: argparse.Namespace) -> int:
              **_out_to_run(args.out)}
     cfg = _load_job(Path(args.job) if args.job else None, args.overrides, extra)
     run_pipeline(cfg)
-    print(f"fine-tuned model: {Path(cfg.run.runs_dir) / cfg.run.name / 'train' / 'model'}")
+    print(f"fine-tuned model: {_run_location(cfg)}/train/model")
     return 0
 
 
@@ -174,13 +183,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from raycurate.rundir import RunDir
+    from raycurate import storage
 
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "manifest.json").exists():
-        raise SystemExit(f"{run_dir} has no manifest.json; is it a raycurate run directory?")
-    manifest = RunDir(run_dir).load_manifest()
+    manifest_file = storage.Location.parse(args.run_dir, key="RUN_DIR").child("manifest.json")
+    if not storage.is_file(manifest_file):
+        raise SystemExit(f"{storage.redact(args.run_dir)} has no manifest.json; is it a raycurate run directory?")
+    manifest = json.loads(storage.read_text(manifest_file))
     print(f"run {manifest.get('run')}  pipeline {manifest.get('pipeline', '?')}")
+    if manifest.get("storage"):
+        print(f"storage: {manifest['storage']}")
     rows = manifest.get("rows") or {}
     if rows:
         print(f"rows: input={rows.get('input')} accepted={rows.get('accepted')} rejected={rows.get('rejected')}")
@@ -252,17 +263,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("inspect", help="print stage status, row accounting and timings of a run")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="run directory: a local path or a storage URI (s3://bucket/runs/demo)")
     p.set_defaults(fn=cmd_inspect)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from raycurate.storage import StorageError
+
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:
         return int(args.fn(args) or 0)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (ConfigError, FileNotFoundError, StorageError) as exc:
         print(f"raycurate: {exc}", file=sys.stderr)
         return 2
 

@@ -24,7 +24,14 @@ class RunConfig:
     """Where the run lives and how it reports."""
 
     name: str = option("demo", "Run name; outputs go to <runs_dir>/<name>/.")
-    runs_dir: str = option("runs", "Folder holding run directories (local path).")
+    runs_dir: str = option("runs", "Folder holding run directories: a local path, or a storage URI pyarrow opens "
+                                   "(s3://bucket/prefix, gs://..., hdfs://..., file:///...; S3 query parameters such "
+                                   "as ?endpoint_override=host:port&scheme=http allowed). With a URI the run works "
+                                   "in a local mirror (run.local_dir) and uploads each finished stage.")
+    local_dir: str | None = option(None, "Local mirror of a remote run.runs_dir: the run works in "
+                                         "<local_dir>/<name>/ (null: .cache/raycurate/run-mirrors/<sha of runs_dir>). "
+                                         "_scratch/ (training checkpoints) lives only here. On a multi-node cluster "
+                                         "put it on storage every node mounts (NFS/EFS). Unused for a local runs_dir.")
     seed: int = option(0, "Global seed for samplers that have no seed of their own.")
     progress: bool = option(True, "Show progress bars.")
     force: list[str] = option([], "Stages to re-run even when their outputs are current (or ['all']).")

@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from raycurate.config.loader import dump_yaml
-from raycurate.rundir import RunDir, atomic_write_text
+from raycurate.rundir import RunDir, atomic_write_text, open_run_dir
 
 log = logging.getLogger("raycurate")
 
 
 def open_run(cfg: Any) -> RunDir:
-    """Create ``<runs_dir>/<name>``, save the resolved config and start Ray."""
+    """Create ``<runs_dir>/<name>`` (for a storage URI: its local mirror, pulled from the URI), save the resolved
+    config and start Ray."""
     from raycurate.stages.runtime import init_ray
 
-    run = RunDir(Path(cfg.run.runs_dir) / cfg.run.name)
+    run = open_run_dir(cfg.run.runs_dir, cfg.run.name, cfg.run.local_dir)
     atomic_write_text(run.root / "config.yaml", dump_yaml(cfg))
     init_ray(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, temp_dir=cfg.ray.temp_dir,
              object_store_memory=cfg.ray.object_store_memory, spill_dir=cfg.ray.spill_dir)
     run.update_manifest(config_file="config.yaml", pipeline=cfg.pipeline)
+    run.sync()
     return run
 
 

@@ -23,7 +23,10 @@ def run_sft_pipeline(cfg: Any) -> dict:
 
 
 def write_report(run: Any) -> str:
-    """Render ``report.html`` for the run and return its path."""
+    """Render ``report.html`` for the run, upload the run root's files to remote storage (if any) and return the
+    report's path.  Every pipeline ends here."""
     from raycurate.report.html import write_run_report
 
-    return str(write_run_report(run.root))
+    path = str(write_run_report(run.root))
+    run.sync()
+    return path
