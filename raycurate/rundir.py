@@ -153,8 +153,8 @@ class RunDir:
         """
         if self.remote is None:
             return
-        names = sorted(p.name for p in self.root.iterdir() if p.is_file() and not p.name.startswith("."))
-        for name in sorted(names, key=lambda n: n == MANIFEST):
+        names = [p.name for p in self.root.iterdir() if p.is_file() and not p.name.startswith(".")]
+        for name in sorted(names, key=lambda n: (n == MANIFEST, n)):
             self._push_file(name)
 
     def relative(self, path: str | Path) -> str:

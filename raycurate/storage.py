@@ -43,6 +43,17 @@ def redact(uri: str) -> str:
     return urlunsplit(parts._replace(query="")) if is_uri(uri) else uri
 
 
+def split_name(location: str | os.PathLike) -> tuple[str, str]:
+    """``(parent, name)`` of a URI or path: ``s3://b/runs/x?q=1`` -> ``("s3://b/runs?q=1", "x")``."""
+    location = str(location)
+    if not is_uri(location):
+        path = Path(location)
+        return str(path.parent), path.name
+    parts = urlsplit(location)
+    parent, _, name = parts.path.rstrip("/").rpartition("/")
+    return urlunsplit(parts._replace(path=parent)), name
+
+
 @dataclasses.dataclass(frozen=True)
 class Location:
     """A folder or file on a pyarrow filesystem.

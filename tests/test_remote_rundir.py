@@ -125,6 +125,22 @@ def test_bad_uris_name_the_uri_and_the_config_key(tmp_path):
         open_run_dir("nosuch://x/y", "r", local_dir=tmp_path)
 
 
+def test_ingest_command_writes_to_a_uri_and_inspect_reads_it(tmp_path, monkeypatch, capsys):
+    from raycurate.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"id": "a", "prompt": "p", "response": "r"}\n{"id": "a", "prompt": "dup", "response": "d"}\n')
+    out = f"file://{tmp_path / 'remote' / 'ing'}"
+    assert main(["ingest", "--input", str(data), "--out", out]) == 0
+    manifest = _remote_manifest(f"file://{tmp_path / 'remote'}", "ing")
+    assert manifest["rows"]["input"] == 2 and manifest["stages"]["ingest"]["status"] == "done"
+    assert (tmp_path / "remote/ing/ingest/rejected.jsonl").exists() and not (tmp_path / "file:").exists()
+    capsys.readouterr()
+    assert main(["inspect", out]) == 0
+    assert f"storage: {out}" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------------------------------------
 # S3 through moto on loopback
 # ----------------------------------------------------------------------------------------------------------

@@ -52,10 +52,12 @@ def _load_job(path: Path | None, overrides: list[str], extra: dict | None = None
 
 
 def _out_to_run(out: str | None) -> dict:
+    from raycurate.storage import split_name
+
     if not out:
         return {}
-    out_path = Path(out)
-    return {"run": {"runs_dir": str(out_path.parent), "name": out_path.name}}
+    runs_dir, name = split_name(out)
+    return {"run": {"runs_dir": runs_dir, "name": name}}
 
 
 def _run_location(cfg) -> str:
@@ -149,11 +151,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from raycurate.config.data import DataConfig
-    from raycurate.rundir import RunDir
+    from raycurate.rundir import open_run_dir
     from raycurate.stages.data_stages import ingest_stage
+    from raycurate.storage import split_name
 
     data_cfg = from_dict(DataConfig, apply_overrides({"strict": args.strict}, args.overrides), "command line")
-    run = RunDir(args.out)
+    run = open_run_dir(*split_name(args.out))
     record = ingest_stage(run, args.input, data_cfg, upstream=[], progress=True, force=args.force)
     rows = record["metrics"]["rows"]
     run.update_manifest(rows={**rows, "rejected_by_reason": record["metrics"].get("rejected_by_reason", {}),
@@ -244,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ingest", help="validate input files into accepted parquet + rejected.jsonl")
     p.add_argument("--input", action="append", required=True, help="jsonl / parquet / HF save_to_disk path "
                    "(repeatable; directories and globs allowed)")
-    p.add_argument("--out", required=True, help="run directory to write into")
+    p.add_argument("--out", required=True, help="run directory to write into (a path or a storage URI)")
     p.add_argument("--strict", action="store_true", help="fail on the first bad row (naming file, line, field)")
     p.add_argument("--force", action="store_true", help="re-run even if the outputs are current")
     p.add_argument("overrides", nargs="*", help="data.* overrides without the prefix, e.g. split_seed=3")

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from raycurate import storage
 from raycurate.config.loader import apply_overrides, dump_yaml, from_dict, read_yaml
 from raycurate.config.sweep import SweepConfig, job_path, yaml_value
 from raycurate.rundir import RunDir, atomic_write_text
@@ -74,6 +75,10 @@ def run_sweep(sweep: SweepConfig, sweep_file: Path | None = None) -> dict:
 
     job = job_path(sweep, sweep_file).resolve()
     base = job_config(job, list(sweep.overrides))
+    if storage.is_uri(base.run.runs_dir):
+        where = storage.redact(base.run.runs_dir)
+        raise storage.StorageError(f"raycurate tune needs a local run.runs_dir, not {where!r} (trials share the run "
+                                   f"directory's stage cache on disk); use a path on storage every node mounts")
     runs_dir = str(Path(base.run.runs_dir).resolve())
     run = RunDir(Path(runs_dir) / sweep.name)
     init_ray(address=base.ray.address, num_cpus=base.ray.num_cpus, temp_dir=base.ray.temp_dir,

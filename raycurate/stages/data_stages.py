@@ -60,15 +60,22 @@ def ingest_stage(run: RunDir, inputs: list[str], data_cfg: Any, *, upstream: lis
         return StageOutput(outputs={"accepted": "accepted", "rejected": "rejected.jsonl"}, metrics=info)
 
     validation = [data_cfg.validation_input] if data_cfg.validation_input else []
-    config = {"inputs": [_file_fingerprint(p) for p in inputs],
-              "validation_inputs": [_file_fingerprint(p) for p in validation], "strict": data_cfg.strict,
+    config = {"inputs": [_file_fingerprint(p, run) for p in inputs],
+              "validation_inputs": [_file_fingerprint(p, run) for p in validation], "strict": data_cfg.strict,
               "split_seed": data_cfg.split_seed, "split_ratios": data_cfg.split_ratios}
     return run_stage(run, "ingest", body, config=config, upstream=upstream, force=force)
 
 
-def _file_fingerprint(path: str) -> dict:
-    """Path, size and mtime: enough to notice an edited input without hashing its contents."""
+def _file_fingerprint(path: str, run: RunDir | None = None) -> dict:
+    """Path, size and mtime: enough to notice an edited input without hashing its contents.
+
+    An input inside a remote-backed run's mirror (an upstream stage's output, e.g. the corpus) is named by its
+    run-relative path only: the upstream hash covers its content, while the mirror's absolute path and the
+    downloaded file's mtime differ from machine to machine.
+    """
     p = Path(path)
+    if run is not None and run.remote is not None and p.resolve().is_relative_to(run.root):
+        return {"run_path": run.relative(p)}
     if p.is_file():
         stat = p.stat()
         return {"path": str(p.resolve()), "size": stat.st_size, "mtime": int(stat.st_mtime)}
