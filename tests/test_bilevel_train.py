@@ -16,7 +16,7 @@ from train_helpers import VOCAB, Crash, LocalSession, write_tiny_llama
 from raycurate.algorithms import bilevel
 from raycurate.config.train import TrainConfig
 from raycurate.stages import bilevel_train as bt
-from raycurate.stages.train import METRICS_FILE, load_token_table
+from raycurate.stages.train import METRICS_FILE, load_token_table, read_trainer_state
 
 # ------------------------------------------------------------------------------------------ fixtures
 
@@ -160,12 +160,8 @@ def test_bds_loop_writes_weights_and_resume_restores_omega_exactly(tiny_model, t
                                 bt.ids_digest(load_token_table(tables[0]).ids))
     assert saved.adam.step == 3 and np.any(saved.omega != 0)
 
-    class _NoEngine:
-        def load(self, path):
-            pass
-
-    loop = bt._restore(_NoEngine(), LocalSession(str(tmp_path / "ckpt_b")), 10,
-                       bt.ids_digest(load_token_table(tables[0]).ids))
+    with LocalSession(str(tmp_path / "ckpt_b")).restore_dir() as path:
+        loop = bt._restore(path, read_trainer_state(path), 10, bt.ids_digest(load_token_table(tables[0]).ids))
     assert np.array_equal(loop.omega.omega, saved.omega)  # bit for bit
     assert np.array_equal(loop.omega.adam.exp_avg_sq, saved.adam.exp_avg_sq)
     assert loop.train.step == 3 and len(loop.curves.gamma_per_step) == 3 and loop.online is None

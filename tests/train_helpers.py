@@ -17,7 +17,7 @@ class Crash(RuntimeError):
 class LocalSession:
     """Keeps reported checkpoints in ``store`` (one folder per step); can crash after the n-th one."""
 
-    rank, world_size, device = 0, 1, torch.device("cpu")
+    rank, local_rank, world_size, device = 0, 0, 1, torch.device("cpu")
 
     def __init__(self, store: str, crash_after_checkpoints: int | None = None) -> None:
         self.store, self.crash_after = store, crash_after_checkpoints
@@ -28,6 +28,8 @@ class LocalSession:
     def restore_dir(self):
         saved = sorted(os.listdir(self.store))
         yield os.path.join(self.store, saved[-1]) if saved else None
+
+    latest_checkpoint_dir = restore_dir  # one process: every reported checkpoint is already in the store
 
     def report(self, metrics, checkpoint_dir):
         self.reports.append(metrics)

@@ -45,4 +45,13 @@ class TrainConfig:
         None, "Save a resumable checkpoint every N optimizer steps (null = at the end of each epoch)."
     )
     keep_checkpoints: int = option(2, "Most recent checkpoints kept in Ray Train storage.")
+    offload_optimizer: bool = option(
+        False, "ZeRO-Offload: optimizer states, fp32 master weights and the optimizer step live in CPU memory "
+        "(DeepSpeed, ZeRO 1-3)."
+    )
+    offload_params: bool = option(False, "ZeRO-3 parameter offload to CPU memory (DeepSpeed, zero_stage=3 only).")
+    max_failures: int = option(
+        0, "Ray Train FailureConfig: worker-group restarts after a worker dies; each restart resumes from the "
+        "latest checkpoint (-1 = unlimited)."
+    )
     log_every_steps: int = option(10, "Rank 0 logs loss and learning rate every N optimizer steps.")

@@ -69,7 +69,6 @@ from raycurate.config.train import TrainConfig
 from raycurate.stages.deepspeed_config import grad_accum_steps
 from raycurate.stages.train import (
     METRICS_FILE,
-    TRAINER_STATE_FILE,
     RaySession,
     TokenTable,
     TrainSession,
@@ -78,7 +77,7 @@ from raycurate.stages.train import (
     _metrics,
     _should_checkpoint,
     _to_device,
-    build_model_engine,
+    build_resumed_engine,
     collate,
     epoch_order,
     export_hf,
@@ -86,6 +85,7 @@ from raycurate.stages.train import (
     load_token_table,
     prepare_worker,
     worker_resources,
+    write_trainer_state,
 )
 
 logger = logging.getLogger(__name__)
@@ -699,27 +699,23 @@ class LoopState:
     online: OnlineResponses | None = None
 
 
-def _restore(engine: Any, session: TrainSession, n: int, digest: str) -> LoopState:
-    with session.restore_dir() as path:
-        if path is None:
-            return LoopState(TrainState(), OmegaState.fresh(n), BDSCurves())
-        engine.load(path)
-        with open(os.path.join(path, TRAINER_STATE_FILE)) as f:
-            train = TrainState(**json.load(f))
-        with open(os.path.join(path, BDS_STATE_FILE)) as f:
-            curves = BDSCurves(**json.load(f))
-        online_path = os.path.join(path, ONLINE_STATE_FILE)
-        online = load_online(online_path) if os.path.exists(online_path) else None
-        return LoopState(train, load_omega_state(os.path.join(path, OMEGA_STATE_FILE), digest), curves, online)
+def _restore(path: str | None, train: TrainState, n: int, digest: str) -> LoopState:
+    """The loop state of checkpoint folder ``path`` (None: a fresh run); ``train`` was read with the engine."""
+    if path is None:
+        return LoopState(train, OmegaState.fresh(n), BDSCurves())
+    with open(os.path.join(path, BDS_STATE_FILE)) as f:
+        curves = BDSCurves(**json.load(f))
+    online_path = os.path.join(path, ONLINE_STATE_FILE)
+    online = load_online(online_path) if os.path.exists(online_path) else None
+    return LoopState(train, load_omega_state(os.path.join(path, OMEGA_STATE_FILE), digest), curves, online)
 
 
 def _save_checkpoint(engine: Any, session: TrainSession, loop: LoopState, digest: str,
-                     metrics: dict[str, Any]) -> None:
+                     metrics: dict[str, Any], cfg: TrainConfig) -> None:
     ckpt_dir = tempfile.mkdtemp(prefix=f"raycurate-bds-ckpt-r{session.rank}-")
     engine.save(ckpt_dir, session.rank)
     if session.rank == 0:
-        with open(os.path.join(ckpt_dir, TRAINER_STATE_FILE), "w") as f:
-            json.dump(dataclasses.asdict(loop.train), f)
+        write_trainer_state(ckpt_dir, loop.train, session, cfg)
         with open(os.path.join(ckpt_dir, BDS_STATE_FILE), "w") as f:
             json.dump(dataclasses.asdict(loop.curves), f)
         save_omega_state(os.path.join(ckpt_dir, OMEGA_STATE_FILE), loop.omega, digest)
@@ -807,9 +803,10 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
     val_table, cand_table = load_token_table(job.validation_table), load_token_table(job.candidate_table)
     per_epoch = bds_steps_per_epoch(len(cand_table), bds.cand_batch)
     run_steps = bds_total_steps(len(cand_table), cfg, bds)
-    engine, trainable, pad_id = build_model_engine(job, run_steps, device)
     digest = ids_digest(cand_table.ids)
-    loop = _restore(engine, session, len(cand_table), digest)
+    with session.restore_dir() as ckpt_dir:
+        engine, trainable, pad_id, train_state = build_resumed_engine(job, run_steps, session, ckpt_dir)
+        loop = _restore(ckpt_dir, train_state, len(cand_table), digest)
     state, curves = loop.train, loop.curves
     if state.step > run_steps:
         raise ValueError(f"the checkpoint being resumed is at step {state.step}, beyond this run's {run_steps} steps; "
@@ -852,14 +849,14 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
             _check_in_sync(digests, state.step)
             metrics = _bds_metrics(job, loop, digests, start_step, run_steps, per_epoch, session.world_size,
                                    time.perf_counter() - started, trainable)
-            _save_checkpoint(engine, session, loop, digest, metrics)
+            _save_checkpoint(engine, session, loop, digest, metrics, cfg)
 
     digests = gathered_omega_digests(loop.omega.omega, device)
     _check_in_sync(digests, state.step)
     metrics = _bds_metrics(job, loop, digests, start_step, run_steps, per_epoch, session.world_size,
                            time.perf_counter() - started, trainable)
     metrics["weights_file"] = os.path.join(os.path.abspath(job.output_dir), WEIGHTS_FILE)
-    export_hf(engine, job, metrics, session.rank)
+    export_hf(engine, job, metrics, session)
     if session.rank == 0:
         write_weights(job.output_dir, cand_table.ids, loop.omega)
     session.report(metrics, None)

@@ -6,8 +6,17 @@ Decisions:
   ``deepspeed.initialize``; the config therefore has no ``optimizer``/``scheduler`` blocks and sets
   ``zero_allow_untested_optimizer`` (DeepSpeed's own CPU Adam JIT-compiles for about a minute).
 * ``overlap_comm`` is off: it needs CUDA streams and buys nothing at the model sizes run on CPU.
-* ZeRO-3 sets ``stage3_gather_16bit_weights_on_model_save`` so the final HF export can gather the full
-  state dict onto rank 0 layer by layer instead of materialising it on every rank.
+* ZeRO-3 sets ``stage3_gather_16bit_weights_on_model_save`` so the online-generation hook can gather the full
+  state dict onto rank 0 layer by layer instead of materialising it on every rank (the final export consolidates
+  the fp32 checkpoint shards with ``zero_to_fp32`` instead; see ``stages/train.py``).
+* Offload (``train.offload_optimizer`` / ``train.offload_params``) keeps the *client* AdamW: DeepSpeed would
+  otherwise insist on its own ``DeepSpeedCPUAdam`` (a C++ op compiled on first use), so the config sets
+  ``zero_force_ds_cpu_optimizer: false``.  torch's AdamW then steps the fp32 master partitions on the CPU.
+  ``pin_memory`` is on only on GPUs (pinned host buffers speed up the device <-> host copies; on CPU they are
+  meaningless).
+* Universal checkpoints: every checkpoint carries ``universal_checkpoint_info`` (see
+  :data:`UNIVERSAL_CLIENT_STATE`) so it can be converted with ``ds_to_universal`` and resumed on a different
+  worker count; ``load_universal`` is set only for such a resume.
 """
 
 from __future__ import annotations
@@ -17,6 +26,9 @@ from typing import Any
 from raycurate.config.train import TrainConfig
 
 _NEVER_PRINT = 10**9
+
+UNIVERSAL_CLIENT_STATE = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
+"""``client_state`` of every ``save_checkpoint``: what ``ds_to_universal`` requires to convert a checkpoint."""
 
 
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
@@ -47,8 +59,32 @@ def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
     return cfg.effective_batch_size // per_pass
 
 
-def _zero_block(stage: int) -> dict[str, Any]:
+def check_offload(cfg: TrainConfig) -> None:
+    """Fail early (on the driver) on offload settings DeepSpeed would reject or silently ignore.
+
+    Raises:
+        ValueError: Offload with the DDP engine or ZeRO-0, or parameter offload below ZeRO-3.
+    """
+    if not (cfg.offload_optimizer or cfg.offload_params):
+        return
+    if cfg.engine != "deepspeed" or cfg.zero_stage == 0:
+        raise ValueError(f"train.offload_optimizer / train.offload_params need train.engine=deepspeed with "
+                         f"zero_stage 1-3 (got engine={cfg.engine}, zero_stage={cfg.zero_stage}).")
+    if cfg.offload_params and cfg.zero_stage != 3:
+        raise ValueError(f"train.offload_params=true needs train.zero_stage=3 (got {cfg.zero_stage}): only ZeRO-3 "
+                         "partitions parameters; use train.offload_optimizer=true for ZeRO-1/2.")
+
+
+def _offload_block(device: str, pin_memory: bool) -> dict[str, Any]:
+    return {"device": device, "pin_memory": pin_memory}
+
+
+def _zero_block(stage: int, cfg: TrainConfig, pin_memory: bool) -> dict[str, Any]:
     block: dict[str, Any] = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True}
+    if cfg.offload_optimizer:
+        block["offload_optimizer"] = _offload_block("cpu", pin_memory)
+    if cfg.offload_params:
+        block["offload_param"] = _offload_block("cpu", pin_memory)
     if stage in (1, 2):
         block.update({"allgather_partitions": True, "reduce_scatter": True,
                       "allgather_bucket_size": 200_000_000, "reduce_bucket_size": 200_000_000})
@@ -64,13 +100,16 @@ def _zero_block(stage: int) -> dict[str, Any]:
     return block
 
 
-def deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str, Any]:
+def deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool, *, on_gpu: bool = False,
+                     load_universal: bool = False) -> dict[str, Any]:
     """The DeepSpeed config for one training run.
 
     Args:
         cfg: Training config.
         world_size: Data-parallel workers.
         bf16: Whether to train in bf16 mixed precision (fp32 master weights in the optimizer).
+        on_gpu: Training runs on CUDA devices (pins the host buffers of offloaded state).
+        load_universal: The run resumes from a universal checkpoint (a different worker count or ZeRO stage).
 
     Returns:
         A config dict for ``deepspeed.initialize(config=...)``; ``train_batch_size`` equals
@@ -78,16 +117,22 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str,
     """
     if cfg.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"train.zero_stage={cfg.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3.")
+    check_offload(cfg)
     accum = grad_accum_steps(cfg, world_size)
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": accum,
         "train_batch_size": cfg.micro_batch_size * accum * world_size,
         "gradient_clipping": float(cfg.grad_clip),
-        "zero_optimization": _zero_block(cfg.zero_stage),
+        "zero_optimization": _zero_block(cfg.zero_stage, cfg, pin_memory=on_gpu),
         "bf16": {"enabled": bool(bf16)},
         "fp16": {"enabled": False},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": _NEVER_PRINT,
         "wall_clock_breakdown": False,
     }
+    if cfg.offload_optimizer or cfg.offload_params:
+        config["zero_force_ds_cpu_optimizer"] = False
+    if load_universal:
+        config["checkpoint"] = {"load_universal": True}
+    return config

@@ -34,6 +34,22 @@ Decisions:
 * Loss: ``weighted_batch_loss(example_losses(...), weight)`` per micro-batch; gradients are averaged over
   accumulation micro-steps and ranks, so an optimizer step minimises the mean of ``w_i * l_i`` over its
   effective batch.  The logged step loss is that mean (all-reduced over ranks).
+* Checkpoints: every rank writes its own ZeRO shard files and reports them through ``ray.train.report``; Ray
+  Train puts all ranks' files into one checkpoint folder in its storage.  The final HF checkpoint of a ZeRO-1/2/3
+  run is *consolidated from those persisted shards* with DeepSpeed's ``zero_to_fp32`` on rank 0 (the fp32 master
+  weights, cast to the training dtype), not gathered from live parameters; DDP and ZeRO-0 hold full weights on
+  every rank and export them directly.  Consolidation holds the full fp32 state dict in rank 0's host memory
+  (4 bytes per parameter).
+* Resume on a different worker count: ``trainer_state.json`` records the world size and ZeRO stage that wrote
+  the checkpoint.  When the world size differs, the local rank 0 of every node converts the checkpoint with
+  DeepSpeed's ``ds_to_universal`` into a temp folder and every rank loads that universal checkpoint
+  (``checkpoint.load_universal``).  Step ``s`` trains on the same ``effective_batch_size`` rows whatever the
+  world size (only their split over ranks changes), so a ZeRO-1/2 run continues the same trajectory up to
+  floating-point summation order (tested to 1e-5).  DeepSpeed 0.19's ZeRO-3 universal loader is close but not
+  exact (measured: weights off by about 5% of one step's update after the resume), and it cannot load a
+  checkpoint of another ZeRO stage, so a stage change is refused with a clear error.
+* Worker failures: ``train.max_failures`` is Ray Train's ``FailureConfig``; a restarted worker group resumes from
+  the latest checkpoint in the same ``fit()``.
 * Outputs: ``output_dir`` (written by rank 0, atomically: temp dir + ``os.replace``) holds the HF checkpoint
   (safetensors), the tokenizer files copied from ``init_model`` and ``train_metrics.json``.  On a multi-node
   cluster ``output_dir`` and ``storage_dir`` must be on storage shared by the workers and the driver.
@@ -59,7 +75,7 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 import numpy as np
 
 from raycurate.config.train import TrainConfig
-from raycurate.stages.deepspeed_config import deepspeed_config, grad_accum_steps
+from raycurate.stages.deepspeed_config import check_offload, deepspeed_config, grad_accum_steps
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +83,7 @@ TRAINER_STATE_FILE = "trainer_state.json"
 METRICS_FILE = "train_metrics.json"
 _DDP_STATE_FILE = "ddp_state.pt"
 _DS_TAG = "deepspeed"
+FAULT_ENV = "RAYCURATE_FAULT_KILL"
 _TOKENIZER_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "chat_template")
 
 
@@ -363,7 +380,8 @@ class DDPEngine:
             }
             torch.save(state, os.path.join(ckpt_dir, _DDP_STATE_FILE))
 
-    def load(self, ckpt_dir: str) -> None:
+    def load(self, ckpt_dir: str, session: TrainSession | None = None) -> None:
+        """Restore model, optimizer and scheduler (full state: any world size can load it)."""
         import torch
 
         state = torch.load(os.path.join(ckpt_dir, _DDP_STATE_FILE), map_location=self.device, weights_only=True)
@@ -372,7 +390,7 @@ class DDPEngine:
         self.scheduler.load_state_dict(state["scheduler"])
         resync_schedule(self.scheduler, self.cfg.lr)
 
-    def full_state_dict(self) -> dict[str, Any] | None:
+    def full_state_dict(self, session: TrainSession | None = None) -> dict[str, Any] | None:
         """The full model state dict (every rank holds it)."""
         return self.module.state_dict()
 
@@ -385,18 +403,22 @@ class DeepSpeedEngine:
     DeepSpeed's own count so both can never drift apart.
     """
 
-    def __init__(self, model: Any, cfg: TrainConfig, run_steps: int, device: Any, bf16: bool) -> None:
+    def __init__(self, model: Any, cfg: TrainConfig, run_steps: int, device: Any, bf16: bool,
+                 load_universal: bool = False) -> None:
         import deepspeed
+        import torch
         import torch.distributed as dist
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         optimizer, scheduler = _optimizer_and_schedule(model, cfg, run_steps)
-        self.zero_stage, self.peak_lr = cfg.zero_stage, cfg.lr
+        self.zero_stage, self.peak_lr, self.load_universal = cfg.zero_stage, cfg.lr, load_universal
+        self.export_dtype = torch.bfloat16 if bf16 else torch.float32
+        config = deepspeed_config(cfg, world, bf16, on_gpu=device.type == "cuda", load_universal=load_universal)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
             lr_scheduler=scheduler,
-            config=deepspeed_config(cfg, world, bf16),
+            config=config,
             dist_init_required=False,  # Ray Train already created the process group
         )
         self.module = self.engine.module
@@ -418,28 +440,186 @@ class DeepSpeedEngine:
         return float(self.scheduler.get_last_lr()[0])
 
     def save(self, ckpt_dir: str, rank: int) -> None:
-        """Collective: every rank writes its own ZeRO shard files into ``ckpt_dir``."""
-        self.engine.save_checkpoint(ckpt_dir, tag=_DS_TAG)
+        """Collective: every rank writes its own ZeRO shard files into ``ckpt_dir`` (convertible to universal)."""
+        from raycurate.stages.deepspeed_config import UNIVERSAL_CLIENT_STATE
 
-    def load(self, ckpt_dir: str) -> None:
+        self.engine.save_checkpoint(ckpt_dir, tag=_DS_TAG, client_state=dict(UNIVERSAL_CLIENT_STATE))
+
+    def load(self, ckpt_dir: str, session: TrainSession | None = None) -> None:
+        """Collective: restore weights, optimizer and scheduler; via a universal checkpoint when built for one."""
+        if not self.load_universal:
+            self._load_tag(ckpt_dir, _DS_TAG)
+            return
+        if session is None:
+            raise ValueError("a universal-checkpoint resume needs the session (to convert once per node)")
+        with universal_checkpoint(ckpt_dir, session) as universal_dir:
+            self._load_tag(universal_dir, _DS_TAG)
+
+    def _load_tag(self, ckpt_dir: str, tag: str) -> None:
         load_path, _ = self.engine.load_checkpoint(
-            ckpt_dir, tag=_DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
         if load_path is None:
-            raise RuntimeError(f"DeepSpeed found no checkpoint under {ckpt_dir}/{_DS_TAG}; delete the run's storage "
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {ckpt_dir}/{tag}; delete the run's storage "
                                "directory to start from scratch.")
         resync_schedule(self.scheduler, self.peak_lr)
 
-    def full_state_dict(self) -> dict[str, Any] | None:
-        """Collective for ZeRO-3 (gathers layer by layer onto rank 0; other ranks get None)."""
+    def full_state_dict(self, session: TrainSession | None = None) -> dict[str, Any] | None:
+        """The full model state dict on rank 0 (None on other ranks).
+
+        ZeRO-1/2/3 with a session: consolidated by ``zero_to_fp32`` from the latest persisted checkpoint (every
+        rank's shards), cast to the training dtype.  Without a session, ZeRO-3 gathers the live 16-bit parameters
+        layer by layer (collective).  ZeRO-0 holds the full weights on every rank.
+        """
+        if self.zero_stage >= 1 and session is not None:
+            if session.rank != 0:
+                return None
+            with session.latest_checkpoint_dir() as path:
+                if path is None:
+                    raise RuntimeError("no checkpoint was reported, so there are no ZeRO shards to consolidate")
+                return consolidate_zero_checkpoint(path, self.export_dtype)
         if self.zero_stage == 3:
             state = self.engine._zero3_consolidated_16bit_state_dict()
             return state or None
         return self.module.state_dict()
 
 
-def build_model_engine(job: Any, run_steps: int, device: Any) -> tuple[Any, int, int]:
+def consolidate_zero_checkpoint(ckpt_dir: str, dtype: Any = None) -> dict[str, Any]:
+    """Full model state dict from a checkpoint folder holding every rank's ZeRO shards (``zero_to_fp32``).
+
+    Args:
+        ckpt_dir: A checkpoint folder this stage reported (``<ckpt_dir>/deepspeed/*_optim_states.pt``).
+        dtype: Cast every tensor to this dtype (None keeps fp32).
+
+    Returns:
+        Parameter name -> tensor (frozen parameters included), on CPU.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=_DS_TAG)
+    return {k: v if dtype is None else v.to(dtype) for k, v in state.items()}
+
+
+def _universal_key(ckpt_dir: str) -> str:
+    """Same on every rank of a node even when each rank downloaded the checkpoint to its own folder."""
+    import hashlib
+
+    with open(os.path.join(ckpt_dir, TRAINER_STATE_FILE), "rb") as f:
+        return hashlib.sha1(os.path.basename(os.path.normpath(ckpt_dir)).encode() + f.read()).hexdigest()[:16]
+
+
+def convert_to_universal(ckpt_dir: str, dest_parent: str) -> str:
+    """Convert ``<ckpt_dir>/deepspeed`` with DeepSpeed's ``ds_to_universal`` into ``<dest_parent>/deepspeed``.
+
+    The conversion runs in a subprocess (the CLI is DeepSpeed's stable interface) into a temp folder that is
+    renamed into place, so a crash never leaves a half-converted checkpoint.
+
+    Returns:
+        ``dest_parent`` (load it with ``tag="deepspeed"`` and ``checkpoint.load_universal``).
+    """
+    import subprocess
+    import sys
+
+    final = os.path.join(dest_parent, _DS_TAG)
+    if os.path.isdir(final):
+        return dest_parent
+    os.makedirs(dest_parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".universal-", dir=dest_parent)
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+               os.path.join(ckpt_dir, _DS_TAG), "--output_folder", os.path.join(tmp, _DS_TAG),
+               "--num_extract_workers", "1", "--num_merge_workers", "1", "--no_strict"]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR":
+                          os.environ.get("DS_ACCELERATOR", "cpu")})
+    if done.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"ds_to_universal failed on {ckpt_dir} (exit {done.returncode}); resume with the worker "
+                           f"count and ZeRO stage that wrote it instead.\n{done.stderr[-4000:]}")
+    os.replace(os.path.join(tmp, _DS_TAG), final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return dest_parent
+
+
+@contextlib.contextmanager
+def universal_checkpoint(ckpt_dir: str, session: TrainSession) -> Iterator[str]:
+    """Collective: local rank 0 of each node converts ``ckpt_dir`` to a universal checkpoint; yields its folder."""
+    import torch.distributed as dist
+
+    dest = os.path.join(tempfile.gettempdir(), f"raycurate-universal-{_universal_key(ckpt_dir)}")
+    if session.local_rank == 0:
+        logger.info("converting %s to a universal checkpoint in %s", ckpt_dir, dest)
+        convert_to_universal(ckpt_dir, dest)
+    if dist.is_initialized():
+        dist.barrier()
+    try:
+        yield dest
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+        if session.local_rank == 0:
+            shutil.rmtree(dest, ignore_errors=True)
+
+
+def read_trainer_state(ckpt_dir: str | None) -> TrainState | None:
+    """The ``trainer_state.json`` of a checkpoint folder, or None for a fresh run."""
+    if ckpt_dir is None:
+        return None
+    with open(os.path.join(ckpt_dir, TRAINER_STATE_FILE)) as f:
+        return TrainState(**json.load(f))
+
+
+def needs_universal_resume(saved: TrainState | None, cfg: TrainConfig, world_size: int) -> bool:
+    """Whether resuming ``saved`` needs a universal checkpoint: DeepSpeed ZeRO-1/2/3 shards written by another
+    worker count (DDP and ZeRO-0 checkpoints hold full, unpartitioned state that any worker count loads).
+
+    Raises:
+        ValueError: The checkpoint was written with another ZeRO stage (DeepSpeed 0.19's universal loader fails
+            on that), or a ZeRO-3 resume on another worker count with weight decay (DeepSpeed's stage-3 universal
+            loader gives every parameter group the first group's hyper-parameters, so norms would be decayed).
+    """
+    if saved is None or cfg.engine != "deepspeed" or saved.world_size == 0:  # 0: written before this was recorded
+        return False
+    if saved.zero_stage is not None and saved.zero_stage != cfg.zero_stage:
+        raise ValueError(f"the checkpoint being resumed was written with ZeRO-{saved.zero_stage}; resume it with "
+                         f"train.zero_stage={saved.zero_stage} (not {cfg.zero_stage}), or delete the stage's "
+                         "_scratch folder to train from scratch")
+    if cfg.zero_stage == 0 or saved.world_size == world_size:
+        return False
+    if cfg.zero_stage == 3 and cfg.weight_decay > 0:
+        raise ValueError(f"resuming a ZeRO-3 checkpoint of {saved.world_size} workers on {world_size} workers with "
+                         f"train.weight_decay={cfg.weight_decay} would decay norms and biases (DeepSpeed's stage-3 "
+                         f"universal loader); resume with train.num_workers={saved.world_size}")
+    return True
+
+
+def build_resumed_engine(job: Any, run_steps: int, session: TrainSession,
+                         ckpt_dir: str | None) -> tuple[Any, int, int, TrainState]:
+    """Build the engine for ``job`` and restore it from ``ckpt_dir`` (None: a fresh run).
+
+    Returns:
+        (engine, trainable parameter count, pad token id, the restored :class:`TrainState`).
+    """
+    saved = read_trainer_state(ckpt_dir)
+    universal = needs_universal_resume(saved, job.cfg, session.world_size)
+    if universal and session.rank == 0:
+        logger.info("resuming a checkpoint written by %d workers on %d workers (ZeRO-%d universal checkpoint)%s",
+                    saved.world_size, session.world_size, job.cfg.zero_stage,
+                    "; ZeRO-3's universal loader is not exact (see docs/cluster.md)" if job.cfg.zero_stage == 3
+                    else "")
+    engine, trainable, pad_id = build_model_engine(job, run_steps, session.device, load_universal=universal)
+    if ckpt_dir is None:
+        return engine, trainable, pad_id, TrainState()
+    engine.load(ckpt_dir, session)
+    return engine, trainable, pad_id, saved
+
+
+def build_model_engine(job: Any, run_steps: int, device: Any, *, load_universal: bool = False) -> tuple[Any, int, int]:
     """Load ``job.init_model``, attach ``job.adapter`` and wrap it in the configured engine.
+
+    Args:
+        job: An :class:`SFTJob`-like object (``init_model``, ``adapter``, ``cfg``).
+        run_steps: Optimizer steps of the whole run (the LR schedule's length).
+        device: The worker's torch device.
+        load_universal: Build DeepSpeed for a universal-checkpoint resume.
 
     Returns:
         (engine, trainable parameter count, pad token id).
@@ -453,15 +633,18 @@ def build_model_engine(job: Any, run_steps: int, device: Any) -> tuple[Any, int,
     load_dtype = torch.bfloat16 if bf16 and cfg.engine == "deepspeed" and device.type == "cuda" else torch.float32
     model = apply_adapter(load_model(job.init_model, load_dtype), job.adapter)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    return build_engine(model, cfg, run_steps, device, bf16), trainable_parameters(model), pad_id
+    engine = build_engine(model, cfg, run_steps, device, bf16, load_universal=load_universal)
+    return engine, trainable_parameters(model), pad_id
 
 
-def build_engine(model: Any, cfg: TrainConfig, run_steps: int, device: Any, bf16: bool) -> Any:
+def build_engine(model: Any, cfg: TrainConfig, run_steps: int, device: Any, bf16: bool, *,
+                 load_universal: bool = False) -> Any:
     """The engine named by ``cfg.engine`` (``deepspeed`` or ``ddp``)."""
-    engines = {"deepspeed": DeepSpeedEngine, "ddp": DDPEngine}
-    if cfg.engine not in engines:
-        raise ValueError(f"train.engine={cfg.engine!r} is unknown; use one of {sorted(engines)}.")
-    return engines[cfg.engine](model, cfg, run_steps, device, bf16)
+    if cfg.engine == "deepspeed":
+        return DeepSpeedEngine(model, cfg, run_steps, device, bf16, load_universal=load_universal)
+    if cfg.engine == "ddp":
+        return DDPEngine(model, cfg, run_steps, device, bf16)
+    raise ValueError(f"train.engine={cfg.engine!r} is unknown; use one of ['ddp', 'deepspeed'].")
 
 
 # --------------------------------------------------------------------------------------------- session + loop
@@ -471,11 +654,15 @@ class TrainSession(Protocol):
     """What the training loop needs from its runtime (Ray Train, or an in-process test double)."""
 
     rank: int
+    local_rank: int
     world_size: int
     device: Any
 
     def restore_dir(self) -> ContextManager[str | None]:
         """Directory of the checkpoint to resume from, or None for a fresh run."""
+
+    def latest_checkpoint_dir(self) -> ContextManager[str | None]:
+        """Directory of the newest checkpoint (every rank's files): the last one reported, else the restored one."""
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
         """Report metrics (and this rank's checkpoint files); a barrier over ranks."""
@@ -490,6 +677,7 @@ class RaySession:
 
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
+        self.local_rank = context.get_local_rank()
         self.world_size = context.get_world_size()
         self.device = ray.train.torch.get_device()
 
@@ -498,6 +686,18 @@ class RaySession:
         import ray.train
 
         checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            yield None
+            return
+        with checkpoint.as_directory() as path:
+            yield path
+
+    @contextlib.contextmanager
+    def latest_checkpoint_dir(self) -> Iterator[str | None]:
+        import ray.train
+
+        reported = ray.train.get_all_reported_checkpoints()
+        checkpoint = reported[-1].checkpoint if reported else ray.train.get_checkpoint()
         if checkpoint is None:
             yield None
             return
@@ -529,6 +729,8 @@ class TrainState:
     supervised_tokens: int = 0
     examples: int = 0
     seconds: float = 0.0
+    world_size: int = 0  # of the run that wrote the checkpoint (0: unknown)
+    zero_stage: int | None = None  # likewise; None for DDP
 
 
 @dataclass
@@ -564,21 +766,34 @@ def _should_checkpoint(done: int, run_steps: int, per_epoch: int, every: int | N
     return done % every == 0 if every is not None else done % per_epoch == 0
 
 
-def _restore(engine: Any, session: TrainSession) -> TrainState:
-    with session.restore_dir() as path:
-        if path is None:
-            return TrainState()
-        engine.load(path)
-        with open(os.path.join(path, TRAINER_STATE_FILE)) as f:
-            return TrainState(**json.load(f))
+def write_trainer_state(ckpt_dir: str, state: TrainState, session: TrainSession, cfg: TrainConfig) -> None:
+    """``trainer_state.json``, stamped with the world size and ZeRO stage that wrote the checkpoint."""
+    state.world_size = session.world_size
+    state.zero_stage = cfg.zero_stage if cfg.engine == "deepspeed" else None
+    with open(os.path.join(ckpt_dir, TRAINER_STATE_FILE), "w") as f:
+        json.dump(dataclasses.asdict(state), f)
 
 
-def _save_checkpoint(engine: Any, session: TrainSession, state: TrainState, metrics: dict[str, Any]) -> None:
+def maybe_inject_fault(rank: int, step: int) -> None:
+    """Fault injection for failure tests: ``RAYCURATE_FAULT_KILL=rank:step:marker`` hard-kills that rank once
+    after that optimizer step (the marker file records that it already happened, so the restart survives)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    kill_rank, kill_step, marker = spec.split(":", 2)
+    if rank == int(kill_rank) and step == int(kill_step) and not os.path.exists(marker):
+        with open(marker, "w") as f:
+            f.write(f"killed rank {rank} after step {step}\n")
+        logger.warning("fault injection: killing rank %d after step %d", rank, step)
+        os._exit(1)
+
+
+def _save_checkpoint(engine: Any, session: TrainSession, state: TrainState, metrics: dict[str, Any],
+                     cfg: TrainConfig) -> None:
     ckpt_dir = tempfile.mkdtemp(prefix=f"raycurate-ckpt-r{session.rank}-")
     engine.save(ckpt_dir, session.rank)
     if session.rank == 0:
-        with open(os.path.join(ckpt_dir, TRAINER_STATE_FILE), "w") as f:
-            json.dump(dataclasses.asdict(state), f)
+        write_trainer_state(ckpt_dir, state, session, cfg)
     has_files = bool(os.listdir(ckpt_dir))
     session.report(metrics, ckpt_dir if has_files else None)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -610,16 +825,17 @@ def _save_merged(job: SFTJob, state_dict: dict[str, Any], dest: str) -> None:
     export_model(model, job.adapter).save_pretrained(dest)
 
 
-def export_hf(engine: Any, job: SFTJob, metrics: dict[str, Any], rank: int) -> None:
+def export_hf(engine: Any, job: SFTJob, metrics: dict[str, Any], session: TrainSession) -> None:
     """Write the trained model (safetensors), tokenizer files and metrics to ``job.output_dir`` atomically.
 
-    Collective (ZeRO-3 gathers parameters); only rank 0 writes.  With an adapter the checkpoint is the merged
-    model (a plain HF checkpoint), and a LoRA adapter is also saved alone under ``adapter/``.
+    Call it after the final checkpoint was reported: ZeRO-1/2/3 weights are consolidated from its shards
+    (``zero_to_fp32``).  Only rank 0 writes.  With an adapter the checkpoint is the merged model (a plain HF
+    checkpoint), and a LoRA adapter is also saved alone under ``adapter/``.
     """
     from raycurate.models.adapters import adapter_kind
 
-    state_dict = engine.full_state_dict()
-    if rank != 0:
+    state_dict = engine.full_state_dict(session)
+    if session.rank != 0:
         return
     output_dir = os.path.abspath(job.output_dir)
     parent = os.path.dirname(output_dir)
@@ -687,8 +903,8 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
     accum = grad_accum_steps(cfg, session.world_size)
     per_epoch = steps_per_epoch(len(table), cfg.effective_batch_size)
     run_steps = total_steps(len(table), cfg)
-    engine, trainable, pad_id = build_model_engine(job, run_steps, device)
-    state = _restore(engine, session)
+    with session.restore_dir() as ckpt_dir:
+        engine, trainable, pad_id, state = build_resumed_engine(job, run_steps, session, ckpt_dir)
     if state.step > run_steps:
         raise ValueError(f"the checkpoint being resumed is at step {state.step}, beyond this run's {run_steps} steps; "
                          "raise train.max_steps, or delete the stage's _scratch folder to train from scratch")
@@ -726,11 +942,12 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
         if _should_checkpoint(state.step, run_steps, per_epoch, cfg.checkpoint_every_steps):
             metrics = _metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
                                time.perf_counter() - started, trainable)
-            _save_checkpoint(engine, session, state, metrics)
+            _save_checkpoint(engine, session, state, metrics, cfg)
+        maybe_inject_fault(session.rank, state.step)
 
     metrics = _metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
                        time.perf_counter() - started, trainable)
-    export_hf(engine, job, metrics, session.rank)
+    export_hf(engine, job, metrics, session)
     session.report(metrics, None)
     return metrics
 
@@ -757,8 +974,9 @@ def _worker_env(use_gpu: bool) -> dict[str, str]:
     env = {"TOKENIZERS_PARALLELISM": "false"}
     if not use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
-    if "TORCH_EXTENSIONS_DIR" in os.environ:
-        env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+    for name in ("TORCH_EXTENSIONS_DIR", FAULT_ENV):
+        if name in os.environ:
+            env[name] = os.environ[name]
     return env
 
 
@@ -781,6 +999,7 @@ def run_sft(train_table: str, init_model: str, output_dir: str, cfg: TrainConfig
         ``supervised_tokens``, ``seconds``, ...
     """
     grad_accum_steps(cfg, cfg.num_workers)  # fail on the driver, before any worker starts
+    check_offload(cfg)
     if not os.path.isdir(init_model):
         raise FileNotFoundError(f"init_model={init_model} is not a directory; pass a local HF checkpoint dir.")
     use_gpu, cpus = worker_resources(cfg)
@@ -803,7 +1022,7 @@ def worker_resources(cfg: TrainConfig) -> tuple[bool, float]:
 def launch_trainer(entry: Callable[[dict], None], loop_config: dict[str, Any], cfg: TrainConfig, use_gpu: bool,
                    cpus: float, *, storage_dir: str, name: str) -> None:
     """Run ``entry`` on ``cfg.num_workers`` Ray Train workers (TorchTrainer); resumes ``storage_dir/name``."""
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     resources: dict[str, float] = {"CPU": cpus}
@@ -817,6 +1036,7 @@ def launch_trainer(entry: Callable[[dict], None], loop_config: dict[str, Any], c
             name=name,
             storage_path=os.path.abspath(storage_dir),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
             worker_runtime_env={"env_vars": _worker_env(use_gpu)},
         ),
     )
