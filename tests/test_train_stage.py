@@ -261,15 +261,20 @@ def test_resync_schedule_puts_an_extended_run_on_its_new_schedule():
 
 @pytest.mark.gpu
 @pytest.mark.ray
-def test_deepspeed_bf16_on_gpu_trains_and_exports(ray_local, tiny_model, token_table, tmp_path):
+@pytest.mark.parametrize("zero", [{"zero_stage": 2}, {"zero_stage": 3, "offload_optimizer": True,
+                                                      "offload_params": True}], ids=["zero2", "zero3_offload"])
+def test_deepspeed_bf16_on_gpu_trains_and_exports(ray_local, tiny_model, token_table, tmp_path, zero):
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     out = str(tmp_path / "model")
-    cfg = TrainConfig(engine="deepspeed", zero_stage=2, num_workers=1, micro_batch_size=2, effective_batch_size=4,
-                      max_steps=2, lr=1e-2, use_gpu=True)
-    metrics = _launch("deepspeed bf16 gpu", token_table, tiny_model, out, cfg, storage_dir=str(tmp_path / "rs"),
-                      name="gpu")
+    cfg = TrainConfig(engine="deepspeed", num_workers=1, micro_batch_size=2, effective_batch_size=4,
+                      max_steps=2, lr=1e-2, use_gpu=True, **zero)
+    metrics = _launch(f"deepspeed bf16 gpu {zero}", token_table, tiny_model, out, cfg,
+                      storage_dir=str(tmp_path / "rs"), name="gpu")
     assert metrics["steps"] == 2 and all(np.isfinite(metrics["loss_per_step"]))
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:  # consolidated fp32 masters cast to bf16
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     model = AutoModelForCausalLM.from_pretrained(out)
     init = _weights(tiny_model)
     assert any(not torch.equal(v.float(), init[k].float()) for k, v in model.state_dict().items())
