@@ -44,10 +44,11 @@ Decisions:
   the checkpoint.  When the world size differs, the local rank 0 of every node converts the checkpoint with
   DeepSpeed's ``ds_to_universal`` into a temp folder and every rank loads that universal checkpoint
   (``checkpoint.load_universal``).  Step ``s`` trains on the same ``effective_batch_size`` rows whatever the
-  world size (only their split over ranks changes), so a ZeRO-1/2 run continues the same trajectory up to
-  floating-point summation order (tested to 1e-5).  DeepSpeed 0.19's ZeRO-3 universal loader is close but not
-  exact (measured: weights off by about 5% of one step's update after the resume), and it cannot load a
-  checkpoint of another ZeRO stage, so a stage change is refused with a clear error.
+  world size (only their split over ranks changes), so the run continues the same trajectory up to
+  floating-point summation order (tested to 1e-5 for ZeRO-2 and ZeRO-3 with offload).  Two defects of
+  DeepSpeed 0.19's ZeRO-3 universal loader are repaired after the load (:func:`repair_zero3_universal_load`).
+  DeepSpeed cannot load one ZeRO stage's universal checkpoint into another, so a stage change is refused with a
+  clear error.
 * Worker failures: ``train.max_failures`` is Ray Train's ``FailureConfig``; a restarted worker group resumes from
   the latest checkpoint in the same ``fit()``.
 * Outputs: ``output_dir`` (written by rank 0, atomically: temp dir + ``os.replace``) holds the HF checkpoint
@@ -456,12 +457,15 @@ class DeepSpeedEngine:
             self._load_tag(universal_dir, _DS_TAG)
 
     def _load_tag(self, ckpt_dir: str, tag: str) -> None:
+        weight_decays = [group["weight_decay"] for group in self.scheduler.optimizer.param_groups]
         load_path, _ = self.engine.load_checkpoint(
             ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
         if load_path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {ckpt_dir}/{tag}; delete the run's storage "
                                "directory to start from scratch.")
+        if self.load_universal and self.zero_stage == 3:
+            repair_zero3_universal_load(self.engine.optimizer, weight_decays)
         resync_schedule(self.scheduler, self.peak_lr)
 
     def full_state_dict(self, session: TrainSession | None = None) -> dict[str, Any] | None:
@@ -482,6 +486,31 @@ class DeepSpeedEngine:
             state = self.engine._zero3_consolidated_16bit_state_dict()
             return state or None
         return self.module.state_dict()
+
+
+def repair_zero3_universal_load(zero_optimizer: Any, weight_decays: list[float]) -> None:
+    """Undo two defects of DeepSpeed 0.19's ZeRO-3 universal-checkpoint loader (``load_hp_checkpoint_state_from_
+    checkpoint_dir_stage3``), so a resume on another worker count continues the exact trajectory.
+
+    * It stores *one* ``step`` tensor object in the optimizer state of every fp32 sub-group; torch's AdamW
+      increments ``step`` in place once per sub-group, so the shared counter advanced several times per optimizer
+      step and every later bias correction was wrong (measured: weights off by ~5% of a step after 2 steps).
+    * It copies the first parameter group's hyper-parameters into every group, so the no-decay group (norms,
+      biases) would get the decay group's ``weight_decay``.
+
+    Args:
+        zero_optimizer: ``DeepSpeedEngine.optimizer`` (``DeepSpeedZeroOptimizer_Stage3``) after the load.
+        weight_decays: Per parameter group, the weight decay the run was built with.
+    """
+    import torch
+
+    base = zero_optimizer.optimizer
+    for flat in getattr(zero_optimizer, "fp32_partitioned_groups_flat", []):
+        state = base.state.get(flat, {})
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    for group, weight_decay in zip(base.param_groups, weight_decays):
+        group["weight_decay"] = weight_decay
 
 
 def consolidate_zero_checkpoint(ckpt_dir: str, dtype: Any = None) -> dict[str, Any]:
@@ -573,8 +602,7 @@ def needs_universal_resume(saved: TrainState | None, cfg: TrainConfig, world_siz
 
     Raises:
         ValueError: The checkpoint was written with another ZeRO stage (DeepSpeed 0.19's universal loader fails
-            on that), or a ZeRO-3 resume on another worker count with weight decay (DeepSpeed's stage-3 universal
-            loader gives every parameter group the first group's hyper-parameters, so norms would be decayed).
+            on that).
     """
     if saved is None or cfg.engine != "deepspeed" or saved.world_size == 0:  # 0: written before this was recorded
         return False
@@ -582,13 +610,7 @@ def needs_universal_resume(saved: TrainState | None, cfg: TrainConfig, world_siz
         raise ValueError(f"the checkpoint being resumed was written with ZeRO-{saved.zero_stage}; resume it with "
                          f"train.zero_stage={saved.zero_stage} (not {cfg.zero_stage}), or delete the stage's "
                          "_scratch folder to train from scratch")
-    if cfg.zero_stage == 0 or saved.world_size == world_size:
-        return False
-    if cfg.zero_stage == 3 and cfg.weight_decay > 0:
-        raise ValueError(f"resuming a ZeRO-3 checkpoint of {saved.world_size} workers on {world_size} workers with "
-                         f"train.weight_decay={cfg.weight_decay} would decay norms and biases (DeepSpeed's stage-3 "
-                         f"universal loader); resume with train.num_workers={saved.world_size}")
-    return True
+    return cfg.zero_stage != 0 and saved.world_size != world_size
 
 
 def build_resumed_engine(job: Any, run_steps: int, session: TrainSession,
@@ -601,10 +623,8 @@ def build_resumed_engine(job: Any, run_steps: int, session: TrainSession,
     saved = read_trainer_state(ckpt_dir)
     universal = needs_universal_resume(saved, job.cfg, session.world_size)
     if universal and session.rank == 0:
-        logger.info("resuming a checkpoint written by %d workers on %d workers (ZeRO-%d universal checkpoint)%s",
-                    saved.world_size, session.world_size, job.cfg.zero_stage,
-                    "; ZeRO-3's universal loader is not exact (see docs/cluster.md)" if job.cfg.zero_stage == 3
-                    else "")
+        logger.info("resuming a checkpoint written by %d workers on %d workers (ZeRO-%d universal checkpoint)",
+                    saved.world_size, session.world_size, job.cfg.zero_stage)
     engine, trainable, pad_id = build_model_engine(job, run_steps, session.device, load_universal=universal)
     if ckpt_dir is None:
         return engine, trainable, pad_id, TrainState()
