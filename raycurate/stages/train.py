@@ -794,14 +794,21 @@ def write_trainer_state(ckpt_dir: str, state: TrainState, session: TrainSession,
         json.dump(dataclasses.asdict(state), f)
 
 
-def maybe_inject_fault(rank: int, step: int) -> None:
+def maybe_inject_fault(session: TrainSession, step: int) -> None:
     """Fault injection for failure tests: ``RAYCURATE_FAULT_KILL=rank:step:marker`` hard-kills that rank once
-    after that optimizer step (the marker file records that it already happened, so the restart survives)."""
+    after that optimizer step (the marker file records that it already happened, so the restart survives).
+
+    Before dying it waits until Ray Train has committed every checkpoint reported so far: Ray Train registers a
+    report asynchronously, and a worker lost right after a report restarts from the previous committed one.
+    """
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
     kill_rank, kill_step, marker = spec.split(":", 2)
+    rank = session.rank
     if rank == int(kill_rank) and step == int(kill_step) and not os.path.exists(marker):
+        with session.latest_checkpoint_dir():
+            pass
         with open(marker, "w") as f:
             f.write(f"killed rank {rank} after step {step}\n")
         logger.warning("fault injection: killing rank %d after step %d", rank, step)
@@ -963,7 +970,7 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
             metrics = _metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
                                time.perf_counter() - started, trainable)
             _save_checkpoint(engine, session, state, metrics, cfg)
-        maybe_inject_fault(session.rank, state.step)
+        maybe_inject_fault(session, state.step)
 
     metrics = _metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
                        time.perf_counter() - started, trainable)
