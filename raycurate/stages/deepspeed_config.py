@@ -6,9 +6,9 @@ Decisions:
   ``deepspeed.initialize``; the config therefore has no ``optimizer``/``scheduler`` blocks and sets
   ``zero_allow_untested_optimizer`` (DeepSpeed's own CPU Adam JIT-compiles for about a minute).
 * ``overlap_comm`` is off: it needs CUDA streams and buys nothing at the model sizes run on CPU.
-* ZeRO-3 sets ``stage3_gather_16bit_weights_on_model_save`` so the online-generation hook can gather the full
-  state dict onto rank 0 layer by layer instead of materialising it on every rank (the final export consolidates
-  the fp32 checkpoint shards with ``zero_to_fp32`` instead; see ``stages/train.py``).
+* ZeRO-3 sets ``stage3_gather_16bit_weights_on_model_save`` so DeepSpeed's own ``save_16bit_model`` works on
+  an engine this config built; raycurate's final export does not use it (it consolidates the fp32 checkpoint
+  shards with ``zero_to_fp32``; see ``stages/train.py``).
 * Offload (``train.offload_optimizer`` / ``train.offload_params``) keeps the *client* AdamW: DeepSpeed would
   otherwise insist on its own ``DeepSpeedCPUAdam`` (a C++ op compiled on first use), so the config sets
   ``zero_force_ds_cpu_optimizer: false``.  torch's AdamW then steps the fp32 master partitions on the CPU.

@@ -468,24 +468,20 @@ class DeepSpeedEngine:
             repair_zero3_universal_load(self.engine.optimizer, weight_decays)
         resync_schedule(self.scheduler, self.peak_lr)
 
-    def full_state_dict(self, session: TrainSession | None = None) -> dict[str, Any] | None:
-        """The full model state dict on rank 0 (None on other ranks).
+    def full_state_dict(self, session: TrainSession) -> dict[str, Any] | None:
+        """The full model state dict on rank 0 (None on other ranks under ZeRO-1/2/3).
 
-        ZeRO-1/2/3 with a session: consolidated by ``zero_to_fp32`` from the latest persisted checkpoint (every
-        rank's shards), cast to the training dtype.  Without a session, ZeRO-3 gathers the live 16-bit parameters
-        layer by layer (collective).  ZeRO-0 holds the full weights on every rank.
+        ZeRO-1/2/3: consolidated by ``zero_to_fp32`` from the latest persisted checkpoint (every rank's shards),
+        cast to the training dtype.  ZeRO-0 holds the full weights on every rank.
         """
-        if self.zero_stage >= 1 and session is not None:
-            if session.rank != 0:
-                return None
-            with session.latest_checkpoint_dir() as path:
-                if path is None:
-                    raise RuntimeError("no checkpoint was reported, so there are no ZeRO shards to consolidate")
-                return consolidate_zero_checkpoint(path, self.export_dtype)
-        if self.zero_stage == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()
-            return state or None
-        return self.module.state_dict()
+        if self.zero_stage == 0:
+            return self.module.state_dict()
+        if session.rank != 0:
+            return None
+        with session.latest_checkpoint_dir() as path:
+            if path is None:
+                raise RuntimeError("no checkpoint was reported, so there are no ZeRO shards to consolidate")
+            return consolidate_zero_checkpoint(path, self.export_dtype)
 
 
 def repair_zero3_universal_load(zero_optimizer: Any, weight_decays: list[float]) -> None:
