@@ -1,0 +1,152 @@
+"""Confidence intervals for the comparisons the report shows (pure numpy).
+
+Every interval is a percentile bootstrap with an explicit seed, so the same inputs give the same interval:
+
+* :func:`bootstrap_mean_ci` — one model's mean per-item score.
+* :func:`paired_bootstrap_ci` — the difference of two models scored on the SAME items (held-out questions): the
+  items are resampled once per replicate and both models keep their own score on each resampled item, which is
+  what makes the interval much tighter than two independent intervals when the models agree on most items.
+* :func:`stratified_paired_bootstrap_ci` — the same difference pooled over several corpus seeds (each seed its own
+  question set): questions are resampled within each seed and the seeds' mean differences are averaged.
+* :func:`bootstrap_auroc_ci` / :func:`bootstrap_precision_ci` — selection quality against ground-truth labels,
+  resampling the candidate rows.
+* :func:`gap_closed` — the share of the clean-vs-mixed (oracle) gap that a method closes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from raycurate.algorithms.metrics import auroc
+
+DEFAULT_REPLICATES = 2000
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A point estimate with its 95% (by default) bootstrap interval and the number of items behind it."""
+
+    value: float
+    low: float
+    high: float
+    n: int
+
+    def excludes_zero(self) -> bool:
+        """Whether the interval lies strictly on one side of 0 (the difference is not noise at this level)."""
+        return self.low > 0.0 or self.high < 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def _as_vector(values: np.ndarray, name: str) -> np.ndarray:
+    array = np.asarray(values, dtype=np.float64)
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError(f"{name} must be a non-empty (N,) vector, got shape {array.shape}")
+    return array
+
+
+def _resample_indices(n: int, replicates: int, seed: int) -> np.ndarray:
+    """(R, n) indices drawn with replacement from a seeded generator."""
+    if replicates < 1:
+        raise ValueError(f"replicates must be >= 1, got {replicates}")
+    return np.random.default_rng(seed).integers(0, n, size=(replicates, n))
+
+
+def _interval(point: float, replicate_values: np.ndarray, n: int, level: float) -> Estimate:
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    tail = 100.0 * (1.0 - level) / 2.0
+    low, high = np.percentile(replicate_values, [tail, 100.0 - tail])
+    return Estimate(float(point), float(low), float(high), n)
+
+
+def bootstrap_mean_ci(scores: np.ndarray, *, replicates: int = DEFAULT_REPLICATES, seed: int = 0,
+                      level: float = 0.95) -> Estimate:
+    """Mean of per-item scores with a percentile bootstrap interval.
+
+    Args:
+        scores: (N,) per-item scores (e.g. 0/1 exact match, or a per-question accuracy over samples).
+        replicates: Bootstrap replicates R.
+        seed: Seed of the resampling.
+        level: Interval coverage.
+    """
+    x = _as_vector(scores, "scores")
+    means = x[_resample_indices(len(x), replicates, seed)].mean(axis=1)  # (R,)
+    return _interval(x.mean(), means, len(x), level)
+
+
+def paired_bootstrap_ci(treatment: np.ndarray, control: np.ndarray, *, replicates: int = DEFAULT_REPLICATES,
+                        seed: int = 0, level: float = 0.95) -> Estimate:
+    """Mean of ``treatment - control`` over the same items, with a paired percentile bootstrap interval.
+
+    Args:
+        treatment: (N,) per-item scores of one model.
+        control: (N,) per-item scores of the other model on the same items, in the same order.
+        replicates, seed, level: As in :func:`bootstrap_mean_ci`.
+
+    Raises:
+        ValueError: when the two vectors do not cover the same number of items.
+    """
+    a, b = _as_vector(treatment, "treatment"), _as_vector(control, "control")
+    if a.shape != b.shape:
+        raise ValueError(f"paired scores must cover the same items: {a.shape[0]} vs {b.shape[0]}")
+    return bootstrap_mean_ci(a - b, replicates=replicates, seed=seed, level=level)
+
+
+def stratified_paired_bootstrap_ci(pairs: list[tuple[np.ndarray, np.ndarray]], *, replicates: int = DEFAULT_REPLICATES,
+                                   seed: int = 0, level: float = 0.95) -> Estimate:
+    """Mean over strata (corpus seeds) of the mean paired difference, resampling questions within each stratum.
+
+    Args:
+        pairs: One ``(treatment, control)`` pair of (N_s,) per-question score vectors per stratum.
+        replicates, seed, level: As in :func:`bootstrap_mean_ci`.
+    """
+    if not pairs:
+        raise ValueError("need at least one (treatment, control) pair")
+    diffs = []
+    for index, (treatment, control) in enumerate(pairs):
+        a, b = _as_vector(treatment, f"treatment[{index}]"), _as_vector(control, f"control[{index}]")
+        if a.shape != b.shape:
+            raise ValueError(f"stratum {index}: paired scores must cover the same items: "
+                             f"{a.shape[0]} vs {b.shape[0]}")
+        diffs.append(a - b)
+    replicate_means = np.zeros(replicates)
+    for index, d in enumerate(diffs):
+        replicate_means += d[_resample_indices(len(d), replicates, seed + index)].mean(axis=1)
+    point = float(np.mean([d.mean() for d in diffs]))
+    return _interval(point, replicate_means / len(diffs), int(sum(len(d) for d in diffs)), level)
+
+
+def bootstrap_auroc_ci(scores: np.ndarray, positives: np.ndarray, *, replicates: int = 1000, seed: int = 0,
+                       level: float = 0.95) -> Estimate:
+    """AUROC of ``scores`` for ``positives`` with an interval from resampling rows (replicates that draw only
+    one class are skipped)."""
+    s, y = _as_vector(scores, "scores"), np.asarray(positives, dtype=bool)
+    point = auroc(s, y)
+    values = [auroc(s[idx], y[idx]) for idx in _resample_indices(len(s), replicates, seed)
+              if 0 < y[idx].sum() < len(idx)]
+    return _interval(point, np.asarray(values), len(s), level)
+
+
+def bootstrap_precision_ci(selected: np.ndarray, positives: np.ndarray, *, replicates: int = DEFAULT_REPLICATES,
+                           seed: int = 0, level: float = 0.95) -> Estimate:
+    """Share of positives among the selected rows, with an interval from resampling the selected rows.
+
+    Args:
+        selected: (N,) bool, the rows a method kept.
+        positives: (N,) bool ground truth (e.g. ``label.clean``).
+    """
+    keep, y = np.asarray(selected, dtype=bool), np.asarray(positives, dtype=bool)
+    if keep.shape != y.shape or not keep.any():
+        raise ValueError(f"need matching (N,) masks with at least one selected row; got {keep.shape}, {y.shape}")
+    return bootstrap_mean_ci(y[keep].astype(np.float64), replicates=replicates, seed=seed, level=level)
+
+
+def gap_closed(method: float, mixed: float, clean: float) -> float | None:
+    """``(method - mixed) / (clean - mixed)``: 0 = no better than training on everything, 1 = as good as the
+    clean-only oracle; ``None`` when there is no gap to close (clean is not above mixed)."""
+    gap = clean - mixed
+    return None if gap <= 0 else (method - mixed) / gap
