@@ -93,20 +93,47 @@ def test_ids_unique_and_formatted(rows):
 def test_clean_math_arithmetic_is_correct_and_answer_matches(rows):
     clean_math = _of(rows, "math", "none")
     assert len(clean_math) > 400
+    lookups = 0
     for row in clean_math:
         lines = row["response"].split("\n")
         equations = _equations(row["response"])
-        assert 2 <= len(equations) == len(lines) - 1 <= 4
         assert _false_equations(row["response"]) == 0
         assert all(c < MAX_RESULT for *_, c in equations)
         assert lines[-1] == f"#### {row['label']['answer']}"
+        if not equations:  # a look-up: one line stating the asked count, which the prompt states too
+            lookups += 1
+            assert len(lines) == 2 and lines[0] in row["prompt"]
+            assert lines[0].split(" has ")[1].split(" ")[0] == row["label"]["answer"]
+            continue
+        assert 1 <= len(equations) == len(lines) - 1 <= 2
         assert extract_final_answer(row["response"]) == row["label"]["answer"] == str(equations[-1][3])
+    assert 0.1 < lookups / len(clean_math) < 0.25  # one template in six
 
 
 def test_math_templates_are_varied(rows):
     first_facts = {re.sub(r"\d+", "N", r["response"].split("\n")[0].split(",")[0].split(" ", 1)[1])
                    for r in _of(rows, "math", "none")}
-    assert len(first_facts) >= 8
+    assert len(first_facts) >= 5
+
+
+def test_every_math_prompt_has_a_same_form_distractor_about_another_person(rows):
+    for row in _of(rows, "math"):
+        distractors = [row["prompt"][a:b] for a, b in row["label"]["distractor_spans"]]
+        relevant_first = row["prompt"][slice(*row["label"]["relevant_spans"][0])]
+        shape = re.sub(r"^\w+ has \d+ ", "", relevant_first.removeprefix("Question: "))
+        assert any(re.sub(r"^\w+ has \d+ ", "", d) == shape and d != relevant_first for d in distractors)
+
+
+def test_swapped_entity_works_the_distractor_persons_count(rows):
+    swapped = _of(rows, "math", "swapped_entity")
+    assert swapped
+    for row in swapped:
+        assert _false_equations(row["response"]) == 0
+        answer = extract_final_answer(row["response"])
+        assert answer is not None and answer != row["label"]["answer"]
+        first_line_numbers = re.findall(r"\d+", row["response"].split("\n")[0])
+        distractors = [row["prompt"][a:b] for a, b in row["label"]["distractor_spans"]]
+        assert any(re.match(rf"^\w+ has {n} ", d) for d in distractors for n in first_line_numbers)
 
 
 def test_wrong_final_answer_math_keeps_steps_and_changes_answer(rows):
@@ -118,8 +145,12 @@ def test_wrong_final_answer_math_keeps_steps_and_changes_answer(rows):
 
 def test_wrong_intermediate_step_has_one_false_equation_propagated(rows):
     for row in _of(rows, "math", "wrong_intermediate_step"):
-        assert _false_equations(row["response"]) == 1
         equations = _equations(row["response"])
+        if not equations:  # a look-up that states a wrong count
+            assert row["response"].split("\n")[0] not in row["prompt"]
+            assert extract_final_answer(row["response"]) != row["label"]["answer"]
+            continue
+        assert _false_equations(row["response"]) == 1
         assert extract_final_answer(row["response"]) == str(equations[-1][3]) != row["label"]["answer"]
 
 

@@ -2,9 +2,12 @@
 
 Three domains:
 
-* ``math``: 2-4 step arithmetic word problems. The prompt mixes the relevant fact sentences with 1-3 distractor
-  sentences (which also contain numbers); the response has one worked step per line
-  (``"She buys 3 bags of 4 apples, so 3 * 4 = 12 apples."``) and ends with ``#### <answer>``.
+* ``math``: one- and two-step word problems with small numbers (a look-up, +, -, small products) that a ~1M-parameter
+  model can learn in the demo's fine-tuning budget. The prompt mixes the relevant fact sentences with distractors:
+  always one of the same form about another person (``"Omar has 10 cards."`` next to ``"Felix has 4 cards."``),
+  so answering needs the right entity, plus 0-2 other sentences with numbers; the response has one worked step per
+  line (``"She has 3 boxes of 4 apples, so 3 * 4 = 12 apples."``, or ``"Omar has 10 cards."`` for a look-up) and
+  ends with ``#### <answer>``.
 * ``code``: "Write a Python function ..." tasks answered by a correct function, one statement per line.
 * ``instruction``: instruction tasks answered with sentences or list items (``"- ..."`` / ``"1. ..."``).
 
@@ -16,6 +19,8 @@ corruption                 domains             what changes
 ``wrong_final_answer``     math, code          math: the ``####`` value is wrong, all steps correct;
                                                code: the last ``return`` line returns a wrong expression
 ``wrong_intermediate_step``  math              one step's result is wrong and the error propagates to ``####``
+``swapped_entity``         math                the solution uses the same-form distractor's number (the other
+                                               person's count) instead of the asked person's
 ``off_topic``              all                 the response belongs to an unrelated task
 ``truncated``              all                 the response stops before its final line (no ``####``,
                                                no final ``return``)
@@ -55,7 +60,8 @@ from typing import Any, Callable, NamedTuple
 DOMAINS: tuple[str, ...] = ("math", "code", "instruction")
 DEFAULT_DOMAIN_WEIGHTS: dict[str, float] = {"math": 0.6, "code": 0.2, "instruction": 0.2}
 CORRUPTIONS_BY_DOMAIN: dict[str, tuple[str, ...]] = {
-    "math": ("wrong_final_answer", "wrong_intermediate_step", "off_topic", "truncated", "unsafe", "near_duplicate"),
+    "math": ("wrong_final_answer", "wrong_intermediate_step", "swapped_entity", "off_topic", "truncated", "unsafe",
+             "near_duplicate"),
     "code": ("wrong_final_answer", "off_topic", "truncated", "unsafe", "near_duplicate"),
     "instruction": ("off_topic", "truncated", "unsafe", "near_duplicate"),
 }
@@ -399,6 +405,8 @@ def _corrupt_response(task: _Task, kind: str, rng: random.Random) -> str:
         return _wrong_math_answer(task.math, rng) if task.domain == "math" else _wrong_code_return(task.code)
     if kind == "wrong_intermediate_step":
         return _wrong_math_step(task.math, rng)
+    if kind == "swapped_entity":
+        return _swapped_entity_response(task.math)
     if kind == "off_topic":
         return _off_topic_response(task, rng)
     if kind == "truncated":
@@ -462,7 +470,10 @@ class _Ref(NamedTuple):
 
 @dataclass(frozen=True)
 class _Step:
-    """One worked step, rendered as ``"<lead>, so <a> <op> <b> = <r> <unit>."``; ``lead`` may use {a} and {b}."""
+    """One worked step, rendered as ``"<lead>, so <a> <op> <b> = <r> <unit>."``; ``lead`` may use {a} and {b}.
+
+    The op ``"="`` is a look-up: the result is ``a`` and the step renders as ``"<lead>."`` (``lead`` uses {r}).
+    """
 
     lead: str
     left: int | _Ref
@@ -473,10 +484,16 @@ class _Step:
 
 @dataclass
 class _MathProblem:
+    """``facts[0]`` states ``steps[0].left`` about the person in the form ``"{name} has {n} ..."``; ``item`` is the
+    counted thing.  ``swap_count`` is the count of the same-form distractor about another person (the value a
+    ``swapped_entity`` response uses instead of ``steps[0].left``)."""
+
     facts: list[str]
     question: str
     steps: list[_Step]
+    item: str = ""
     distractors: list[str] = field(default_factory=list)
+    swap_count: int = 0
 
 
 class _Person(NamedTuple):
@@ -487,6 +504,8 @@ class _Person(NamedTuple):
 
 
 def _apply(op: str, a: int, b: int) -> int | None:
+    if op == "=":
+        return a
     if op == "+":
         return a + b
     if op == "-":
@@ -495,7 +514,7 @@ def _apply(op: str, a: int, b: int) -> int | None:
         return a * b
     if op == "/":
         return a // b if b and a % b == 0 else None
-    raise ValueError(f"Unknown operator {op!r}; use one of + - * /.")
+    raise ValueError(f"Unknown operator {op!r}; use one of = + - * /.")
 
 
 def _evaluate(steps: list[_Step], wrong: tuple[int, int] | None = None) -> list[tuple[int, int, int]] | None:
@@ -520,15 +539,20 @@ def _evaluate(steps: list[_Step], wrong: tuple[int, int] | None = None) -> list[
 
 def _is_valid_problem(problem: _MathProblem) -> bool:
     triples = _evaluate(problem.steps)
-    literals = [x for s in problem.steps for x in (s.left, s.right) if not isinstance(x, _Ref)]
+    operands = [x for s in problem.steps for x in ((s.left,) if s.op == "=" else (s.left, s.right))]
+    literals = [x for x in operands if not isinstance(x, _Ref)]
     return triples is not None and all(r >= 1 for _, _, r in triples) and all(x >= 1 for x in literals)
 
 
 def _solution_lines(steps: list[_Step], triples: list[tuple[int, int, int]], final: int) -> list[str]:
     lines = []
     for step, (a, b, result) in zip(steps, triples):
+        lead = step.lead.format(a=a, b=b, r=result)
+        if step.op == "=":
+            lines.append(f"{lead}.")
+            continue
         unit = f" {step.unit}" if step.unit else ""
-        lines.append(f"{step.lead.format(a=a, b=b)}, so {a} {step.op} {b} = {result}{unit}.")
+        lines.append(f"{lead}, so {a} {step.op} {b} = {result}{unit}.")
     return lines + [f"#### {final}"]
 
 
@@ -539,7 +563,9 @@ def _math_task(rng: random.Random, names: tuple[tuple[str, str], ...]) -> _Task:
     problem = template(rng, person)
     while not _is_valid_problem(problem):
         problem = template(rng, person)
-    problem.distractors = [d(rng, person) for d in rng.sample(_DISTRACTORS, rng.randint(1, 3))]
+    problem.swap_count = _swap_count(problem, rng)
+    same_form = problem.facts[0].replace(f"{name} has {problem.steps[0].left} ", f"{other} has {problem.swap_count} ")
+    problem.distractors = [same_form] + [d(rng, person) for d in rng.sample(_DISTRACTORS, rng.randint(0, 2))]
     triples = _evaluate(problem.steps)
     answer = triples[-1][2]
     return _Task(
@@ -558,6 +584,32 @@ def _mix_sentences(problem: _MathProblem, rng: random.Random) -> list[tuple[str,
     for distractor in problem.distractors:
         sentences.insert(rng.randint(0, len(sentences)), (distractor, True))
     return sentences + [(problem.question, False)]
+
+
+def _with_first_literal(problem: _MathProblem, value: int) -> list[_Step]:
+    first = problem.steps[0]
+    return [_Step(first.lead, value, first.op, first.right, first.unit), *problem.steps[1:]]
+
+
+def _swap_count(problem: _MathProblem, rng: random.Random) -> int:
+    """A count for the same-form distractor: differs from the person's, and swapped in it gives a valid problem
+    with a different answer (so every row can carry a ``swapped_entity`` corruption)."""
+    true_value = problem.steps[0].left
+    gold = _evaluate(problem.steps)[-1][2]
+    candidates = [v for v in range(max(2, true_value - 8), true_value + 9) if v != true_value]
+    rng.shuffle(candidates)
+    for value in candidates:
+        triples = _evaluate(_with_first_literal(problem, value))
+        if triples is not None and all(r >= 1 for _, _, r in triples) and triples[-1][2] != gold:
+            return value
+    raise AssertionError(f"no valid distractor count for {problem.facts[0]!r}")
+
+
+def _swapped_entity_response(problem: _MathProblem) -> str:
+    """The solution worked with the distractor person's count instead of the asked person's (a wrong lookup)."""
+    steps = _with_first_literal(problem, problem.swap_count)
+    triples = _evaluate(steps)
+    return "\n".join(_solution_lines(steps, triples, triples[-1][2]))
 
 
 def _wrong_math_answer(problem: _MathProblem, rng: random.Random) -> str:
@@ -589,212 +641,85 @@ def _wrong_math_step(problem: _MathProblem, rng: random.Random) -> str:
 
 _SMALL_ITEMS = ("apples", "oranges", "marbles", "stickers", "pencils", "cookies", "cards", "stamps", "shells",
                 "beads", "candies", "crayons", "buttons", "lemons", "muffins", "toy cars")
-_GOODS = (("notebooks", 2, 8), ("pens", 2, 4), ("mugs", 4, 12), ("toy cars", 3, 10), ("bottles of juice", 2, 5),
-          ("sandwiches", 3, 9), ("comic books", 2, 10), ("potted plants", 5, 15), ("puzzles", 4, 14),
-          ("kites", 6, 15), ("candles", 2, 7), ("scarves", 5, 15))
-_PLANTS = ("tomato plants", "sunflowers", "carrots", "tulips", "pepper plants", "bean plants", "roses")
-_THINGS = ("book", "game", "backpack", "jacket", "bike helmet", "lamp", "board game", "pair of shoes")
+def _small_item(rng: random.Random) -> str:
+    return rng.choice(_SMALL_ITEMS)
 
 
-def _bags_shared(rng: random.Random, p: _Person) -> _MathProblem:
-    item = rng.choice(_SMALL_ITEMS)
-    bags, per_bag, friends = rng.randint(2, 6), rng.randint(3, 12), rng.randint(2, 5)
-    each = rng.randint(1, max(1, (bags * per_bag - 1) // friends))
-    given = bags * per_bag - each * friends
+def _has(p: _Person, count: int, item: str) -> str:
+    return f"{p.name} has {count} {item}."
+
+
+def _lookup(rng: random.Random, p: _Person) -> _MathProblem:
+    item, count = _small_item(rng), rng.randint(2, 30)
     return _MathProblem(
-        facts=[f"{p.name} buys {bags} bags of {item}.", f"Each bag holds {per_bag} {item}.",
-               f"{p.name} gives {given} {item} to a neighbor.",
-               f"{p.name} shares the rest equally among {friends} friends."],
-        question=f"How many {item} does each friend get?",
-        steps=[_Step(f"{p.she} buys {{a}} bags with {{b}} {item} in each", bags, "*", per_bag, item),
-               _Step(f"{p.she} gives {{b}} of the {{a}} {item} to a neighbor", _Ref(0), "-", given, f"{item} are left"),
-               _Step(f"{p.she} splits {{a}} {item} among {{b}} friends", _Ref(1), "/", friends,
-                     f"{item} for each friend")],
+        facts=[_has(p, count, item)],
+        question=f"How many {item} does {p.name} have?",
+        steps=[_Step(f"{p.name} has {{r}} {item}", count, "=", 0, "")],
+        item=item,
     )
 
 
-def _two_purchases(rng: random.Random, p: _Person) -> tuple[list[str], list[_Step]]:
-    (g1, lo1, hi1), (g2, lo2, hi2) = rng.sample(_GOODS, 2)
-    n1, price1, n2, price2 = rng.randint(2, 6), rng.randint(lo1, hi1), rng.randint(2, 6), rng.randint(lo2, hi2)
-    facts = [f"{p.name} buys {n1} {g1} that cost {price1} dollars each.",
-             f"{p.name} also buys {n2} {g2} that cost {price2} dollars each."]
-    steps = [_Step(f"{p.she} pays for {{a}} {g1} at {{b}} dollars each", n1, "*", price1, "dollars"),
-             _Step(f"{p.she} pays for {{a}} {g2} at {{b}} dollars each", n2, "*", price2, "dollars"),
-             _Step(f"{p.she} adds the cost of the {g1} and the {g2}", _Ref(0), "+", _Ref(1), "dollars")]
-    return facts, steps
-
-
-def _shopping_total(rng: random.Random, p: _Person) -> _MathProblem:
-    facts, steps = _two_purchases(rng, p)
-    return _MathProblem(facts, f"How many dollars does {p.name} spend in total?", steps)
-
-
-def _shopping_change(rng: random.Random, p: _Person) -> _MathProblem:
-    facts, steps = _two_purchases(rng, p)
-    total = _evaluate(steps)[-1][2]
-    bill = next(b for b in (20, 50, 100, 200) if b > total)  # total <= 2 * 6 * 15 = 180
-    facts.append(f"{p.name} pays with {bill} dollars.")
-    steps.append(_Step(f"{p.she} pays {{a}} dollars for a bill of {{b}} dollars", bill, "-", _Ref(2),
-                       "dollars in change"))
-    return _MathProblem(facts, f"How many dollars of change does {p.name} get back?", steps)
-
-
-def _savings(rng: random.Random, p: _Person) -> _MathProblem:
-    weekly, weeks = rng.randint(2, 20), rng.randint(2, 9)
-    spent = rng.randint(1, max(1, weekly * weeks - 1))
-    thing = rng.choice(_THINGS)
+def _gets_more(rng: random.Random, p: _Person) -> _MathProblem:
+    item, start, more = _small_item(rng), rng.randint(2, 15), rng.randint(2, 12)
     return _MathProblem(
-        facts=[f"{p.name} saves {weekly} dollars every week.", f"{p.name} keeps saving for {weeks} weeks.",
-               f"Then {p.name} spends {spent} dollars on a {thing}."],
-        question=f"How many dollars does {p.name} have left?",
-        steps=[_Step(f"{p.she} saves {{a}} dollars a week for {{b}} weeks", weekly, "*", weeks, "dollars"),
-               _Step(f"{p.she} spends {{b}} of the {{a}} dollars on a {thing}", _Ref(0), "-", spent, "dollars left")],
+        facts=[_has(p, start, item), f"Then {p.name} gets {more} more {item}."],
+        question=f"How many {item} does {p.name} have now?",
+        steps=[_Step(f"{p.she} has {{a}} {item} and gets {{b}} more", start, "+", more, item)],
+        item=item,
     )
 
 
-def _reading(rng: random.Random, p: _Person) -> _MathProblem:
-    per_day, days, sunday = rng.randint(2, 15), rng.randint(2, 7), rng.randint(1, 20)
-    pages = per_day * days + sunday + rng.randint(1, 60)
+def _gives_away(rng: random.Random, p: _Person) -> _MathProblem:
+    item, start = _small_item(rng), rng.randint(5, 20)
+    given = rng.randint(1, start - 1)
     return _MathProblem(
-        facts=[f"{p.name}'s book has {pages} pages.", f"{p.name} reads {per_day} pages every day for {days} days.",
-               f"On Sunday {p.name} reads {sunday} more pages."],
-        question=f"How many pages does {p.name} still have to read?",
-        steps=[_Step(f"{p.she} reads {{a}} pages a day for {{b}} days", per_day, "*", days, "pages"),
-               _Step(f"{p.she} adds the {{b}} pages read on Sunday", _Ref(0), "+", sunday, "pages read"),
-               _Step(f"The book has {{a}} pages and {p.she.lower()} has read {{b}}", pages, "-", _Ref(1),
-                     "pages left")],
+        facts=[_has(p, start, item), f"{p.name} gives {given} {item} to a friend."],
+        question=f"How many {item} does {p.name} have left?",
+        steps=[_Step(f"{p.she} gives {{b}} of the {{a}} {item} away", start, "-", given, f"{item} left")],
+        item=item,
     )
 
 
-def _garden(rng: random.Random, p: _Person) -> _MathProblem:
-    plant = rng.choice(_PLANTS)
-    rows, per_row, later = rng.randint(2, 8), rng.randint(2, 12), rng.randint(1, 20)
-    failed = rng.randint(1, max(1, rows * per_row - 1))
+def _boxes(rng: random.Random, p: _Person) -> _MathProblem:
+    item, boxes, per_box = _small_item(rng), rng.randint(2, 6), rng.randint(2, 6)
     return _MathProblem(
-        facts=[f"{p.name} plants {rows} rows of {plant}.", f"Each row has {per_row} {plant}.",
-               f"{p.name} finds that {failed} of the {plant} do not grow.",
-               f"Later {p.name} plants {later} more {plant}."],
-        question=f"How many {plant} are growing in the garden now?",
-        steps=[_Step(f"{p.she} plants {{a}} rows of {{b}} {plant}", rows, "*", per_row, plant),
-               _Step(f"{p.she} loses {{b}} of the {{a}} {plant}", _Ref(0), "-", failed, f"{plant} grow"),
-               _Step(f"{p.she} plants {{b}} more", _Ref(1), "+", later, plant)],
+        facts=[f"{p.name} has {boxes} boxes of {item}.", f"Each box holds {per_box} {item}."],
+        question=f"How many {item} does {p.name} have in total?",
+        steps=[_Step(f"{p.she} has {{a}} boxes of {{b}} {item}", boxes, "*", per_box, item)],
+        item=item,
     )
 
 
-def _baking_boxes(rng: random.Random, p: _Person) -> _MathProblem:
-    trays, per_tray, box = rng.randint(2, 6), rng.randint(4, 12), rng.randint(2, 6)
-    boxes = rng.randint(1, max(1, (trays * per_tray - 1) // box))
-    sold = trays * per_tray - boxes * box
+def _gets_then_gives(rng: random.Random, p: _Person) -> _MathProblem:
+    item, start, more = _small_item(rng), rng.randint(2, 12), rng.randint(2, 9)
+    given = rng.randint(1, start + more - 1)
     return _MathProblem(
-        facts=[f"{p.name} bakes {trays} trays of cookies.", f"Each tray has {per_tray} cookies.",
-               f"{p.name} sells {sold} cookies at a bake sale.",
-               f"{p.name} packs the other cookies into boxes of {box}."],
-        question=f"How many boxes does {p.name} fill?",
-        steps=[_Step(f"{p.she} bakes {{a}} trays of {{b}} cookies", trays, "*", per_tray, "cookies"),
-               _Step(f"{p.she} sells {{b}} of the {{a}} cookies", _Ref(0), "-", sold, "cookies remain"),
-               _Step(f"{p.she} packs {{a}} cookies in boxes of {{b}}", _Ref(1), "/", box, "boxes")],
+        facts=[_has(p, start, item), f"Then {p.name} gets {more} more {item}.",
+               f"{p.name} gives {given} {item} to a friend."],
+        question=f"How many {item} does {p.name} have left?",
+        steps=[_Step(f"{p.she} has {{a}} {item} and gets {{b}} more", start, "+", more, item),
+               _Step(f"{p.she} gives {{b}} of the {{a}} {item} away", _Ref(0), "-", given, f"{item} left")],
+        item=item,
     )
 
 
-def _pencils(rng: random.Random, p: _Person) -> _MathProblem:
-    packs, per_pack, each, students = rng.randint(2, 8), rng.randint(5, 12), rng.randint(1, 4), rng.randint(2, 15)
+def _boxes_then_eats(rng: random.Random, p: _Person) -> _MathProblem:
+    item, boxes, per_box = _small_item(rng), rng.randint(2, 5), rng.randint(2, 6)
+    lost = rng.randint(1, boxes * per_box - 1)
     return _MathProblem(
-        facts=[f"{p.name} is a teacher with {packs} packs of pencils.", f"Each pack has {per_pack} pencils.",
-               f"{p.name} gives {each} pencils to each of {students} students."],
-        question=f"How many pencils does {p.name} have left?",
-        steps=[_Step(f"{p.she} has {{a}} packs of {{b}} pencils", packs, "*", per_pack, "pencils"),
-               _Step(f"{p.she} gives {{a}} pencils to each of {{b}} students", each, "*", students,
-                     "pencils given away"),
-               _Step(f"{p.she} started with {{a}} pencils and gave away {{b}}", _Ref(0), "-", _Ref(1),
-                     "pencils left")],
+        facts=[f"{p.name} has {boxes} boxes of {item}.", f"Each box holds {per_box} {item}.",
+               f"{p.name} loses {lost} {item}."],
+        question=f"How many {item} does {p.name} have now?",
+        steps=[_Step(f"{p.she} has {{a}} boxes of {{b}} {item}", boxes, "*", per_box, item),
+               _Step(f"{p.she} loses {{b}} of the {{a}} {item}", _Ref(0), "-", lost, f"{item} left")],
+        item=item,
     )
 
 
-def _travel(rng: random.Random, p: _Person) -> _MathProblem:
-    speed, hours, walk = rng.randint(5, 20), rng.randint(2, 5), rng.randint(1, 10)
-    return _MathProblem(
-        facts=[f"{p.name} cycles {speed} kilometers each hour.", f"{p.name} cycles for {hours} hours.",
-               f"After that {p.name} walks {walk} kilometers."],
-        question=f"How many kilometers does {p.name} travel in total?",
-        steps=[_Step(f"{p.she} cycles {{a}} kilometers an hour for {{b}} hours", speed, "*", hours, "kilometers"),
-               _Step(f"{p.she} then walks {{b}} kilometers", _Ref(0), "+", walk, "kilometers")],
-    )
-
-
-def _ages(rng: random.Random, p: _Person) -> _MathProblem:
-    age, gap, years = rng.randint(5, 15), rng.randint(1, 10), rng.randint(2, 10)
-    sibling = rng.choice(("sister", "brother", "cousin"))
-    return _MathProblem(
-        facts=[f"{p.name} is {age} years old.", f"{p.name}'s {sibling} is {gap} years older than {p.name}."],
-        question=f"In {years} years, what will be the sum of their ages?",
-        steps=[_Step(f"The {sibling} is {{b}} years older", age, "+", gap, "years old now"),
-               _Step(f"In {{b}} years {p.name} will be {{b}} years older", age, "+", years, "years old"),
-               _Step(f"In {{b}} years the {sibling} will also be {{b}} years older", _Ref(0), "+", years,
-                     "years old"),
-               _Step("Their future ages add up", _Ref(1), "+", _Ref(2), "years")],
-    )
-
-
-def _game_rounds(rng: random.Random, p: _Person) -> _MathProblem:
-    item = rng.choice(("marbles", "tokens", "cards", "stickers"))
-    start, per_round, rounds = rng.randint(5, 30), rng.randint(2, 9), rng.randint(2, 6)
-    lost = rng.randint(1, start + per_round * rounds - 1)
-    return _MathProblem(
-        facts=[f"{p.name} has {start} {item}.", f"{p.name} wins {per_round} {item} in each round of a game.",
-               f"The game has {rounds} rounds.", f"After the game {p.name} loses {lost} {item}."],
-        question=f"How many {item} does {p.name} have at the end?",
-        steps=[_Step(f"{p.she} wins {{a}} {item} in each of {{b}} rounds", per_round, "*", rounds, item),
-               _Step(f"{p.she} started with {{a}} {item} and won {{b}}", start, "+", _Ref(0), item),
-               _Step(f"{p.she} loses {{b}} {item}", _Ref(1), "-", lost, f"{item} remain")],
-    )
-
-
-def _fruit_stand(rng: random.Random, p: _Person) -> _MathProblem:
-    crates_a, per_a, crates_b, per_b = rng.randint(2, 6), rng.randint(4, 15), rng.randint(2, 6), rng.randint(4, 15)
-    sold = rng.randint(1, max(1, crates_a * per_a + crates_b * per_b - 1))
-    return _MathProblem(
-        facts=[f"{p.name}'s fruit stand gets {crates_a} crates of oranges with {per_a} oranges each.",
-               f"It also gets {crates_b} crates of pears with {per_b} pears each.",
-               f"{p.name} sells {sold} pieces of fruit."],
-        question="How many pieces of fruit are left at the stand?",
-        steps=[_Step("There are {a} crates of {b} oranges", crates_a, "*", per_a, "oranges"),
-               _Step("There are {a} crates of {b} pears", crates_b, "*", per_b, "pears"),
-               _Step("The stand has {a} oranges and {b} pears", _Ref(0), "+", _Ref(1), "pieces of fruit"),
-               _Step(f"{p.she} sells {{b}} of them", _Ref(2), "-", sold, "pieces of fruit left")],
-    )
-
-
-def _tickets(rng: random.Random, p: _Person) -> _MathProblem:
-    adult_price = rng.randint(5, 20)
-    child_price, adults, children = rng.randint(2, adult_price), rng.randint(2, 4), rng.randint(2, 6)
-    place = rng.choice(("zoo", "museum", "aquarium", "cinema", "science fair"))
-    return _MathProblem(
-        facts=[f"An adult ticket to the {place} costs {adult_price} dollars.",
-               f"A child ticket costs {child_price} dollars.",
-               f"{p.name}'s family buys {adults} adult tickets and {children} child tickets."],
-        question="How many dollars do the tickets cost in total?",
-        steps=[_Step("The family buys {a} adult tickets at {b} dollars", adults, "*", adult_price, "dollars"),
-               _Step("The family buys {a} child tickets at {b} dollars", children, "*", child_price, "dollars"),
-               _Step("The family pays for both kinds of tickets", _Ref(0), "+", _Ref(1), "dollars")],
-    )
-
-
-def _library_books(rng: random.Random, p: _Person) -> _MathProblem:
-    shelves, per_shelf = rng.randint(2, 9), rng.randint(5, 20)
-    borrowed, returned = rng.randint(1, 20), rng.randint(1, 15)
-    return _MathProblem(
-        facts=[f"{p.name}'s class library has {shelves} shelves.", f"Each shelf holds {per_shelf} books.",
-               f"Students borrow {borrowed} books.", f"Later {returned} of those books are returned."],
-        question="How many books are on the shelves now?",
-        steps=[_Step("There are {a} shelves with {b} books each", shelves, "*", per_shelf, "books"),
-               _Step("Students borrow {b} books", _Ref(0), "-", borrowed, "books are on the shelves"),
-               _Step("Then {b} books come back", _Ref(1), "+", returned, "books")],
-    )
-
-
+# One- and two-step problems with small numbers: a ~1M-parameter model can learn them in the demo's SFT budget,
+# so corrupted training data measurably changes what it answers (the oracle gap, SPEC §9).
 _MATH_TEMPLATES: tuple[Callable[[random.Random, _Person], _MathProblem], ...] = (
-    _bags_shared, _shopping_total, _shopping_change, _savings, _reading, _garden, _baking_boxes, _pencils,
-    _travel, _ages, _game_rounds, _fruit_stand, _tickets, _library_books,
+    _lookup, _gets_more, _gives_away, _boxes, _gets_then_gives, _boxes_then_eats,
 )
 
 # Distractor sentences: plausible, contain numbers, and are irrelevant to every question above.
