@@ -16,7 +16,7 @@ from raycurate.config.p2d import P2DConfig
 from raycurate.config.train import TrainConfig
 from raycurate.stages.ray_data import ActorPoolConfig
 
-PIPELINES = ("demo", "sft", "bridge", "p2d", "bilevel")
+PIPELINES = ("demo", "sft", "bridge", "p2d", "bilevel", "proving_ground")
 
 
 @dataclasses.dataclass
@@ -52,8 +52,13 @@ class RayConfig:
 class EvalConfig:
     """Held-out evaluation of trained checkpoints (exact match of the final answer and gold-response loss)."""
 
-    max_new_tokens: int = option(96, "Greedy generation budget per held-out question.")
+    max_new_tokens: int = option(96, "Generation budget per held-out question (greedy and sampled).")
     batch_size: int = option(32, "Questions per generation batch.")
+    samples: int = option(4, "Sampled answers per held-out question at eval.temperature (0: greedy only). Their "
+                          "accuracy, sampled_exact_match, shows how often a model reproduces what it was taught, "
+                          "bad rows included; greedy decoding hides a minority of bad rows.")
+    temperature: float = option(1.0, "Sampling temperature of the sampled answers.")
+    seed: int = option(0, "Seed of the sampled answers (each question's samples depend on it and the question id).")
     pool: ActorPoolConfig = option(ActorPoolConfig(num_actors=2, batch_size=50), "Actor pool for evaluation.")
     lm_eval_tasks: list[str] = option(
         [], "lm-eval tasks run on each main trained model: raycurate_heldout_em / raycurate_heldout_gold_ll (the "
@@ -78,6 +83,14 @@ class DemoConfig:
 
 
 @dataclasses.dataclass
+class ProvingGroundConfig:
+    """The demo repeated over corpus seeds (``jobs/proving_ground.yaml``): every comparison on several corpora."""
+
+    seeds: list[int] = option([0, 1, 2], "Corpus seeds (data.corpus_seed); each runs the whole demo in "
+                              "<runs_dir>/<name>/seed-<seed>/ and the summary pools them.")
+
+
+@dataclasses.dataclass
 class JobConfig:
     """A complete raycurate job."""
 
@@ -91,6 +104,7 @@ class JobConfig:
     train: TrainConfig = option(TrainConfig(), "Fine-tuning (Ray Train).")
     eval: EvalConfig = option(EvalConfig(), "Held-out evaluation.")
     demo: DemoConfig = option(DemoConfig(), "Demo contents.")
+    proving_ground: ProvingGroundConfig = option(ProvingGroundConfig(), "Seed loop of pipeline proving_ground.")
     bridge: BridgeConfig = option(BridgeConfig(), "BRIDGE token selection (pipeline bridge, and the demo).")
     bridge_pool: ActorPoolConfig = option(ActorPoolConfig(batch_size=32), "Actor pool for BRIDGE scoring.")
     p2d: P2DConfig = option(P2DConfig(), "P2D head scoring, ICL probing and sparse head adaptation.")

@@ -87,7 +87,8 @@ def train_stage(run: RunDir, stage: str, *, tokens_stage: str, init_stage: str, 
 class EvaluateUDF:
     """Ray Data actor: greedy answers and gold-response loss for held-out questions."""
 
-    def __init__(self, model_dir: str, max_length: int, max_new_tokens: int, batch_size: int, threads: int):
+    def __init__(self, model_dir: str, max_length: int, max_new_tokens: int, batch_size: int, threads: int,
+                 samples: int = 0, temperature: float = 1.0, seed: int = 0):
         import torch
 
         from raycurate.models.loading import best_device, load_model, load_tokenizer
@@ -98,12 +99,13 @@ class EvaluateUDF:
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
+        self.sampling = {"samples": samples, "temperature": temperature, "seed": seed}
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
 
         rows = evaluate_rows(self.model, self.tokenizer, batch.to_pylist(), max_length=self.max_length,
-                             max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
+                             max_new_tokens=self.max_new_tokens, batch_size=self.batch_size, **self.sampling)
         return pa.Table.from_pylist(rows)
 
 
@@ -122,6 +124,10 @@ def summarize_predictions(rows: list[dict]) -> dict:
     if n == 0:
         return {"rows": 0}
     eq_total = sum(r["equations_total"] for r in rows)
+    sampled = {}
+    if "sampled_accuracy" in rows[0]:
+        sampled = {"sampled_exact_match": sum(r["sampled_accuracy"] for r in rows) / n,
+                   "sampled_unsafe_rate": sum(r["sampled_unsafe"] for r in rows) / n}
     return {
         "rows": n,
         "exact_match": sum(r["correct"] for r in rows) / n,
@@ -129,6 +135,7 @@ def summarize_predictions(rows: list[dict]) -> dict:
         "answer_format_rate": sum(r["has_final_answer"] for r in rows) / n,
         "unsafe_rate": sum(r["unsafe_marker"] for r in rows) / n,
         "equation_accuracy": sum(r["equations_correct"] for r in rows) / eq_total if eq_total else 0.0,
+        **sampled,
     }
 
 
@@ -143,8 +150,12 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
 
 
 def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: int, max_new_tokens: int,
-                  batch_size: int) -> list[dict]:
-    """Score held-out rows: greedy generation -> final answer exact match, plus gold-response loss.
+                  batch_size: int, samples: int = 0, temperature: float = 1.0, seed: int = 0) -> list[dict]:
+    """Score held-out rows: greedy and sampled generation -> final answer exact match, plus gold-response loss.
+
+    Greedy decoding shows the model's single most likely answer, which a minority of bad training rows rarely
+    changes; sampled answers show how often the model reproduces what it was taught, bad rows included
+    (the embedded benchmark's primary metric, SPEC §9).
 
     Args:
         model: Causal LM in eval mode.
@@ -153,9 +164,14 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
         max_length: Token limit for the gold sequence.
         max_new_tokens: Generation budget.
         batch_size: Rows per forward / generate call.
+        samples: Sampled answers per row (0: greedy only).
+        temperature: Sampling temperature.
+        seed: Sampling seed; each row's samples depend only on (seed, row id), not on batching.
 
     Returns:
-        One dict per row: id, generated text, predicted and gold answers, ``correct``, ``gold_loss``.
+        One dict per row: id, generated text, predicted and gold answers, ``correct``, ``gold_loss``, and with
+        ``samples > 0`` ``sampled_accuracy`` (share of samples with the right final answer) and
+        ``sampled_unsafe`` (share containing the unsafe marker).
     """
     import torch
 
@@ -181,8 +197,12 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
                                                           tokenizer.pad_token_id).items()}
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
             gold_losses.extend(example_losses(logits, batch["input_ids"], batch["loss_mask"]).cpu().tolist())
+    sampled = None
+    if samples > 0:
+        sampled = sampled_answer_scores(model, tokenizer, rows, prompts, n=samples, temperature=temperature,
+                                        seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size)
     results = []
-    for row, gen, loss in zip(rows, generated, gold_losses):
+    for index, (row, gen, loss) in enumerate(zip(rows, generated, gold_losses)):
         text = tokenizer.decode(gen, skip_special_tokens=True)
         pred = extract_final_answer(text)
         gold = row["label"]["answer"]
@@ -193,7 +213,32 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
             "has_final_answer": pred is not None, "unsafe_marker": UNSAFE_MARKER in text,
             "equations_correct": eq_correct, "equations_total": eq_total,
         })
+        if sampled is not None:
+            results[-1].update(sampled[index])
     return results
+
+
+def sampled_answer_scores(model: Any, tokenizer: Any, rows: list[dict], prompts: list[list[int]], *, n: int,
+                    temperature: float, seed: int, max_new_tokens: int, batch_size: int) -> list[dict]:
+    """Per row: the share of ``n`` sampled responses whose final answer is right, and of those with the unsafe
+    marker."""
+    import torch
+
+    from raycurate.data.answers import answers_match, extract_final_answer
+    from raycurate.models.sampling import derive_seed, sample_responses
+
+    generators = [torch.Generator().manual_seed(derive_seed("heldout-sample", seed, row["id"])) for row in rows]
+    with torch.no_grad():
+        drawn = sample_responses(model, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
+                                 eos_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id,
+                                 generator=generators, batch_size=max(1, batch_size // n))
+    out = []
+    for row, row_samples in zip(rows, drawn):
+        texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in row_samples]
+        right = [answers_match(extract_final_answer(t), row["label"]["answer"]) for t in texts]
+        out.append({"sampled_accuracy": sum(right) / n,
+                    "sampled_unsafe": sum(UNSAFE_MARKER in t for t in texts) / n})
+    return out
 
 
 def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: str, eval_cfg: Any,
@@ -213,7 +258,8 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
         ds = map_with_actor_pool(
             ds, EvaluateUDF,
             {"model_dir": str(model_dir), "max_length": max_length, "max_new_tokens": eval_cfg.max_new_tokens,
-             "batch_size": eval_cfg.batch_size, "threads": max(1, int(round(pool.num_cpus)))},
+             "batch_size": eval_cfg.batch_size, "threads": max(1, int(round(pool.num_cpus))),
+             "samples": eval_cfg.samples, "temperature": eval_cfg.temperature, "seed": eval_cfg.seed},
             pool,
         )
         result = pa.Table.from_pylist(ds.take_all()).sort_by("id")
