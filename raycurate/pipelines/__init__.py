@@ -35,8 +35,15 @@ def _bilevel(cfg: Any) -> dict:
     return run_bilevel_pipeline(cfg)
 
 
+def _proving_ground(cfg: Any) -> dict:
+    from raycurate.pipelines.proving_ground import run_proving_ground
+
+    return run_proving_ground(cfg)
+
+
 PIPELINES: dict[str, Callable[[Any], dict]] = {
     "demo": _demo, "sft": _sft, "bridge": _bridge, "p2d": _p2d, "bilevel": _bilevel,
+    "proving_ground": _proving_ground,
 }
 
 

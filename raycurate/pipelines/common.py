@@ -133,7 +133,10 @@ def run_standalone(cfg: Any, stages: Any) -> dict:
     records = prepare_data(run, cfg)
     results = stages(run, cfg, evaluate="corpus" in records)
     if results:
+        from raycurate.report.curation import record_curation
+
         record_heldout(run, results)
+        record_curation(run)
     trained = [name for name, rec in run.load_manifest()["stages"].items()
                if name.startswith("train_") and rec.get("status") == "done"]
     lm_eval_models(run, cfg, {name.removeprefix("train_"): name for name in trained})

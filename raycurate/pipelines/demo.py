@@ -11,6 +11,7 @@ from typing import Any
 
 from raycurate.pipelines.common import forced, lm_eval_models, open_run, prepare_data, record_heldout
 from raycurate.pipelines.sft import write_report
+from raycurate.report.curation import record_curation
 
 log = logging.getLogger("raycurate")
 
@@ -66,6 +67,7 @@ def run_demo(cfg: Any) -> dict:
 
         results.update(run_bilevel_stages(run, cfg, evaluate=True))
     record_heldout(run, results)
+    record_curation(run)
     main = [name for name in results if name in LM_EVAL_MODELS]  # baselines are compared on the held-out eval only
     lm_eval_models(run, cfg, {name: f"train_{name}" if name != "base" else "base_model" for name in main})
     report = write_report(run)

@@ -1,0 +1,111 @@
+"""The proving ground: the whole demo on several corpus seeds, every comparison pooled over them.
+
+Each seed runs :func:`raycurate.pipelines.demo.run_demo` in ``<runs_dir>/<name>/seed-<seed>/`` (so each is an
+ordinary, resumable run with its own report); the base model is shared through its cache.  The summary
+(``proving_ground.json`` and ``report.html`` in ``<runs_dir>/<name>/``) has, per comparison, each seed's paired
+difference with its CI and the difference pooled over seeds (questions resampled within each seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("raycurate")
+
+
+def seed_config(cfg: Any, seed: int) -> Any:
+    """The demo job of one corpus seed, in ``<runs_dir>/<name>/seed-<seed>``."""
+    runs_dir = f"{str(cfg.run.runs_dir).rstrip('/')}/{cfg.run.name}"
+    return dataclasses.replace(cfg, pipeline="demo", run=dataclasses.replace(cfg.run, runs_dir=runs_dir,
+                                                                             name=f"seed-{seed}"),
+                               data=dataclasses.replace(cfg.data, corpus_seed=seed))
+
+
+def _comparisons(scores: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Name -> (treatment, control) of every paired comparison the scores allow."""
+    from raycurate.report.curation import METHODS
+
+    pairs = {"oracle: clean vs mixed": ("clean", "mixed")}
+    for spec in METHODS:
+        pairs[f"{spec.model} vs mixed"] = (spec.model, "mixed")
+        if spec.baseline:
+            pairs[f"{spec.model} vs {spec.baseline}"] = (spec.model, spec.baseline)
+    return {name: pair for name, pair in pairs.items() if pair[0] in scores and pair[1] in scores}
+
+
+def summarize_seeds(per_seed: dict[int, tuple[str, dict[str, Any]]]) -> dict:
+    """Pool paired comparisons over seeds.
+
+    Args:
+        per_seed: seed -> (metric label, {model: (Q,) per-question scores}).
+
+    Returns:
+        ``metric``, ``seeds`` and ``comparisons``: name -> ``per_seed`` (seed -> estimate dict) and ``pooled``
+        (stratified paired bootstrap over the seeds that have both models), plus ``seeds_excluding_zero``.
+    """
+    from raycurate.algorithms.stats import paired_bootstrap_ci, stratified_paired_bootstrap_ci
+
+    names: dict[str, tuple[str, str]] = {}
+    for _, scores in per_seed.values():
+        names.update(_comparisons(scores))
+    comparisons = {}
+    for name, (a, b) in names.items():
+        seeds = [s for s, (_, scores) in per_seed.items() if a in scores and b in scores]
+        estimates = {s: paired_bootstrap_ci(per_seed[s][1][a], per_seed[s][1][b]) for s in seeds}
+        pooled = stratified_paired_bootstrap_ci([(per_seed[s][1][a], per_seed[s][1][b]) for s in seeds])
+        comparisons[name] = {"per_seed": {str(s): e.as_dict() for s, e in estimates.items()},
+                             "pooled": pooled.as_dict(),
+                             "seeds_excluding_zero": sum(e.excludes_zero() for e in estimates.values())}
+    metric = next(iter(per_seed.values()))[0] if per_seed else ""
+    return {"metric": metric, "seeds": sorted(per_seed), "comparisons": comparisons}
+
+
+def _render(summary: dict) -> str:
+    from raycurate.report.charts import esc, table
+
+    def fmt(e: dict) -> str:
+        return f"{e['value']:+.3f} [{e['low']:+.3f}, {e['high']:+.3f}]"
+
+    seeds = summary["seeds"]
+    rows = [[name, *(fmt(c["per_seed"][str(s)]) if str(s) in c["per_seed"] else "" for s in seeds),
+             fmt(c["pooled"]), f"{c['seeds_excluding_zero']}/{len(c['per_seed'])}"]
+            for name, c in summary["comparisons"].items()]
+    body = (f"<h1>raycurate proving ground</h1><p>Held-out {esc(summary['metric'])}: paired differences with 95% "
+            f"bootstrap intervals per corpus seed, and pooled over the {len(seeds)} seeds (questions resampled "
+            "within each seed). The last column counts the seeds whose interval excludes 0.</p>"
+            + table(["comparison", *(f"seed {s}" for s in seeds), "pooled", "seeds != 0"], rows))
+    return ("<!doctype html><html lang='en'><head><meta charset='utf-8'><title>raycurate proving ground</title>"
+            "<style>body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1100px}table{border-collapse:"
+            "collapse;display:block;overflow-x:auto}td,th{border:1px solid #dde;padding:.25rem .6rem}</style>"
+            f"</head><body>{body}</body></html>")
+
+
+def run_proving_ground(cfg: Any) -> dict:
+    """Run the demo for every seed of ``proving_ground.seeds`` and write the pooled summary; returns it."""
+    from raycurate.pipelines.demo import run_demo
+    from raycurate.report.curation import heldout_scores
+    from raycurate.rundir import atomic_write_text
+    from raycurate.storage import is_uri
+
+    if is_uri(cfg.run.runs_dir):
+        raise ValueError("pipeline proving_ground writes its summary locally; give run.runs_dir a local folder")
+    if not cfg.proving_ground.seeds:
+        raise ValueError("proving_ground.seeds is empty; list the corpus seeds to run, e.g. [0, 1, 2]")
+    per_seed = {}
+    for seed in cfg.proving_ground.seeds:
+        child = seed_config(cfg, seed)
+        log.info("proving ground: corpus seed %d -> %s/%s", seed, child.run.runs_dir, child.run.name)
+        manifest = run_demo(child)
+        loaded = heldout_scores(Path(child.run.runs_dir) / child.run.name, manifest)
+        if loaded is not None:
+            per_seed[seed] = (loaded[1], loaded[2])
+    summary = summarize_seeds(per_seed)
+    root = Path(cfg.run.runs_dir) / cfg.run.name
+    atomic_write_text(root / "proving_ground.json", json.dumps(summary, indent=2))
+    atomic_write_text(root / "report.html", _render(summary))
+    log.info("proving ground summary: %s", root / "report.html")
+    return summary

@@ -1,0 +1,98 @@
+""""Did curation help?": paired comparisons from the held-out predictions of a run, and the seed summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raycurate.pipelines.proving_ground import seed_config, summarize_seeds
+from raycurate.report.curation import curation_comparisons, heldout_scores, section_curation
+from raycurate.report.html import render_report
+
+N = 200
+
+
+def _write_eval(root: Path, stages: dict, model: str, correct: np.ndarray, sampled: np.ndarray | None) -> None:
+    folder = root / f"eval_{model}"
+    folder.mkdir()
+    rows = {"id": [f"q{i:03d}" for i in range(N)][::-1], "correct": correct[::-1].astype(bool).tolist()}
+    if sampled is not None:
+        rows["sampled_accuracy"] = sampled[::-1].tolist()  # stored in another order: joined on the id
+    pq.write_table(pa.table(rows), folder / "predictions.parquet")
+    stages[f"eval_{model}"] = {"status": "done", "outputs": {"predictions": f"eval_{model}/predictions.parquet"},
+                               "seconds": 2.0}
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    ones = np.ones(N)
+    mixed = np.r_[np.full(100, 0.5), np.zeros(100)]  # mean 0.25
+    clean = np.r_[np.full(100, 0.5), np.full(100, 0.5)]  # mean 0.5: oracle gap +0.25
+    bridge = np.r_[np.full(100, 0.5), np.full(50, 0.5), np.zeros(50)]  # mean 0.375: half the gap
+    random = mixed.copy()
+    stages: dict = {"train_bridge": {"status": "done", "seconds": 10.0},
+                    "bridge_select": {"status": "done", "seconds": 5.0, "metrics": {
+                        "distractor_dropped_share": 0.6, "relevant_dropped_share": 0.2,
+                        "prompt_budget_ratio": 0.5, "response_budget_ratio": 0.75}}}
+    for model, sampled in (("mixed", mixed), ("clean", clean), ("bridge", bridge), ("random", random)):
+        _write_eval(tmp_path, stages, model, ones, sampled)
+    manifest = {"run": "t", "pipeline": "demo", "stages": stages}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    return tmp_path
+
+
+def test_comparisons_are_paired_on_question_ids_with_hand_computed_values(run_dir):
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    result = curation_comparisons(run_dir, manifest)
+    assert result["metric"] == "sampled_accuracy" and result["questions"] == N
+    assert result["models"]["mixed"]["value"] == pytest.approx(0.25)
+    assert result["oracle"]["value"] == pytest.approx(0.25) and result["oracle"]["low"] > 0
+    (bridge,) = result["methods"]
+    assert bridge["model"] == "bridge" and bridge["baseline"] == "random"
+    assert bridge["vs_baseline"]["value"] == pytest.approx(0.125) and bridge["vs_baseline"]["low"] > 0
+    assert bridge["gap_closed"] == pytest.approx(0.5)
+    assert bridge["seconds"] == pytest.approx(10.0 + 5.0 + 2.0)  # bridge_select + train_bridge + eval_bridge
+    assert bridge["selection"]["value"] == 0.6 and bridge["selection"]["reference"] == 0.2
+
+
+def test_greedy_exact_match_is_used_when_no_model_sampled(tmp_path):
+    stages: dict = {}
+    for model in ("mixed", "clean"):
+        _write_eval(tmp_path, stages, model, np.arange(N) % 2, None)
+    metric, _, scores = heldout_scores(tmp_path, {"stages": stages})
+    assert metric == "correct" and scores["clean"].mean() == pytest.approx(0.5)
+
+
+def test_no_mixed_model_means_no_section(tmp_path):
+    assert curation_comparisons(tmp_path, {"stages": {}}) == {}
+    assert section_curation(tmp_path, {"stages": {}}) == ""
+
+
+def test_report_answers_the_question_before_timings(run_dir):
+    html = render_report(run_dir)
+    assert "Did curation help?" in html and "Oracle gap" in html
+    assert html.index("Did curation help?") < html.index("Stage timings")
+
+
+def test_seed_summary_pools_per_seed_differences(run_dir):
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    metric, label, scores = heldout_scores(run_dir, manifest)
+    flat = {m: np.full(N, 0.3) for m in scores}  # a second seed on which nothing differs
+    summary = summarize_seeds({0: (label, scores), 1: (label, flat)})
+    oracle = summary["comparisons"]["oracle: clean vs mixed"]
+    assert oracle["per_seed"]["0"]["value"] == pytest.approx(0.25) and oracle["per_seed"]["1"]["value"] == 0.0
+    assert oracle["pooled"]["value"] == pytest.approx(0.125) and oracle["seeds_excluding_zero"] == 1
+    assert set(summary["comparisons"]) == {"oracle: clean vs mixed", "bridge vs mixed", "bridge vs random"}
+
+
+def test_seed_config_puts_each_seed_in_its_own_run_under_the_job():
+    from raycurate.config.schema import JobConfig
+
+    child = seed_config(JobConfig(pipeline="proving_ground"), 2)
+    assert (child.pipeline, child.data.corpus_seed, child.run.runs_dir, child.run.name) == (
+        "demo", 2, "runs/demo", "seed-2")
