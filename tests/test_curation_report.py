@@ -96,3 +96,12 @@ def test_seed_config_puts_each_seed_in_its_own_run_under_the_job():
     child = seed_config(JobConfig(pipeline="proving_ground"), 2)
     assert (child.pipeline, child.data.corpus_seed, child.run.runs_dir, child.run.name) == (
         "demo", 2, "runs/demo", "seed-2")
+
+
+def test_p2d_selection_precision_carries_a_bootstrap_interval(tmp_path):
+    from raycurate.report.curation import selection_quality
+
+    manifest = {"stages": {"p2d_select": {"metrics": {"precision_selected": 0.9, "selected": 100, "pool": 1000,
+                                                       "precision_pool": 0.7}}}}
+    sel = selection_quality(manifest, "p2d")
+    assert sel["value"] == 0.9 and sel["low"] < 0.9 < sel["high"] and sel["high"] - sel["low"] < 0.14

@@ -86,7 +86,15 @@ def _stage_seconds(manifest: dict, prefixes: tuple[str, ...]) -> float:
                      if name.startswith(prefixes)))
 
 
-def _selection_quality(manifest: dict, model: str) -> dict[str, Any]:
+def _share_ci(share: float, n: int) -> Estimate:
+    """Bootstrap interval of a share of ``n`` rows (resampling the rows: only the count of positives matters)."""
+    import numpy as np
+
+    positives = int(round(share * n))
+    return bootstrap_mean_ci(np.r_[np.ones(positives), np.zeros(n - positives)])
+
+
+def selection_quality(manifest: dict, model: str) -> dict[str, Any]:
     """Ground-truth quality of what the method selected or weighted, as the stages recorded it."""
     stages = manifest.get("stages") or {}
     if model == "bridge":
@@ -98,9 +106,10 @@ def _selection_quality(manifest: dict, model: str) -> dict[str, Any]:
                                f"rho_r {m.get('response_budget_ratio', 0):.2f}")}
     if model == "p2d":
         m = (stages.get("p2d_select") or {}).get("metrics") or {}
-        if m.get("precision_selected") is not None:
+        if m.get("precision_selected") is not None and m.get("selected"):
+            ci = _share_ci(m["precision_selected"], int(m["selected"]))
             return {"kind": "precision (clean share) of selected vs pool", "value": m["precision_selected"],
-                    "reference": m.get("precision_pool"), "n": m.get("selected"),
+                    "low": ci.low, "high": ci.high, "reference": m.get("precision_pool"),
                     "budget": f"{m.get('selected')} of {m.get('pool')} rows"}
     if model.startswith("bilevel_"):
         info = ((manifest.get("bilevel") or {}).get("methods") or {}).get(model.removeprefix("bilevel_")) or {}
@@ -158,7 +167,7 @@ def curation_comparisons(run_dir: str | Path, manifest: dict, *, replicates: int
             continue
         entry: dict[str, Any] = {"model": spec.model, "label": spec.label, "baseline": spec.baseline,
                                  "score": out["models"][spec.model], "vs_mixed": paired(spec.model, "mixed").as_dict(),
-                                 "selection": _selection_quality(manifest, spec.model),
+                                 "selection": selection_quality(manifest, spec.model),
                                  "seconds": _stage_seconds(manifest, spec.stages)}
         if spec.baseline in scores:
             entry["vs_baseline"] = paired(spec.model, spec.baseline).as_dict()
