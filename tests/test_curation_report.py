@@ -105,3 +105,30 @@ def test_p2d_selection_precision_carries_a_bootstrap_interval(tmp_path):
                                                        "precision_pool": 0.7}}}}
     sel = selection_quality(manifest, "p2d")
     assert sel["value"] == 0.9 and sel["low"] < 0.9 < sel["high"] and sel["high"] - sel["low"] < 0.14
+
+
+def test_proving_ground_runs_the_demo_per_seed_and_writes_the_pooled_summary(tmp_path, monkeypatch):
+    from raycurate.config.schema import JobConfig, ProvingGroundConfig, RunConfig
+    from raycurate.pipelines import demo, proving_ground
+
+    seen = []
+
+    def fake_demo(cfg):  # writes what a demo run leaves for the comparisons: eval predictions + manifest
+        seen.append((cfg.pipeline, cfg.data.corpus_seed, cfg.run.name))
+        root = Path(cfg.run.runs_dir) / cfg.run.name
+        root.mkdir(parents=True)
+        stages: dict = {}
+        gain = 0.5 if cfg.data.corpus_seed == 0 else 0.0
+        _write_eval(root, stages, "mixed", np.zeros(N), np.full(N, 0.25))
+        _write_eval(root, stages, "clean", np.zeros(N), np.full(N, 0.25 + gain))
+        return {"stages": stages}
+
+    monkeypatch.setattr(demo, "run_demo", fake_demo)
+    cfg = JobConfig(pipeline="proving_ground", run=RunConfig(name="pg", runs_dir=str(tmp_path)),
+                    proving_ground=ProvingGroundConfig(seeds=[0, 5]))
+    summary = proving_ground.run_proving_ground(cfg)
+    assert seen == [("demo", 0, "seed-0"), ("demo", 5, "seed-5")]
+    oracle = summary["comparisons"]["oracle: clean vs mixed"]
+    assert oracle["pooled"]["value"] == pytest.approx(0.25) and oracle["seeds_excluding_zero"] == 1
+    assert json.loads((tmp_path / "pg" / "proving_ground.json").read_text()) == summary
+    assert "seed 5" in (tmp_path / "pg" / "report.html").read_text()
