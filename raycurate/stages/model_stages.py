@@ -231,7 +231,7 @@ def sampled_answer_scores(model: Any, tokenizer: Any, rows: list[dict], prompts:
     with torch.no_grad():
         drawn = sample_responses(model, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
                                  eos_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id,
-                                 generator=generators, batch_size=max(1, batch_size // n))
+                                 generator=generators, batch_size=batch_size)
     out = []
     for row, row_samples in zip(rows, drawn):
         texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in row_samples]
