@@ -184,7 +184,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
     overrides = [o.removeprefix("data.") for o in args.overrides]
     data_cfg = from_dict(DataConfig, apply_overrides({"strict": args.strict}, overrides), "command line",
-                         overridden={f"data.{k}" for k in override_keys(overrides)})
+                         overridden={f"data.{k}" for k in override_keys(overrides)}, prefix="data")
     plan_inputs(args.input)  # fail on unreadable inputs before anything is written
     run = open_run_dir(*split_name(args.out))
     try:

@@ -205,7 +205,8 @@ def _origin(problem: str, source: str, overridden: set[str]) -> str:
     return f"{problem} [from the command line]" if from_cli else f"{problem} [in {source}]"
 
 
-def from_dict(cls: type[T], data: dict | None, source: str = "config", overridden: set[str] | None = None) -> T:
+def from_dict(cls: type[T], data: dict | None, source: str = "config", overridden: set[str] | None = None,
+              prefix: str = "") -> T:
     """Build and validate a config dataclass from a plain mapping.
 
     Args:
@@ -214,6 +215,8 @@ def from_dict(cls: type[T], data: dict | None, source: str = "config", overridde
         source: The file it came from (named in errors).
         overridden: Dotted keys set on the command line; when given, each problem says whether its key came from
             ``source`` or the command line.
+        prefix: Dotted name of the section ``cls`` is (``"data"`` when a command builds only that section), so
+            errors name the full key.
 
     Raises:
         ConfigError: listing every unknown key, wrong type, disallowed value, out-of-range number and failed
@@ -222,7 +225,7 @@ def from_dict(cls: type[T], data: dict | None, source: str = "config", overridde
     problems: list[str] = []
     if data is not None and not isinstance(data, dict):
         raise ConfigError(source, [f"top level must be a mapping of sections, got {type(data).__name__}"])
-    obj = _build(cls, data or {}, "", problems, root=cls)
+    obj = _build(cls, data or {}, prefix, problems, root=cls)
     if problems:
         if overridden is not None:
             problems = [_origin(p, source, overridden) for p in problems]

@@ -141,10 +141,10 @@ def file_format(path: str) -> tuple[str, str | None] | None:
     return None
 
 
-def _unsupported_reason(path: str) -> str:
+def _unsupported_reason(path: str, listed: bool = False) -> str:
     name = os.path.basename(path)
     suffix = "".join(re.findall(r"\.[^.]+", name)[-2:]) or "no suffix"
-    return f"unsupported format ({suffix}); supported: {SUPPORTED}"
+    return f"unsupported format ({suffix})" + ("" if listed else f"; supported: {SUPPORTED}")
 
 
 def _expand_folder(path: str, plan: InputPlan) -> list[str]:
@@ -168,7 +168,7 @@ def _expand_folder(path: str, plan: InputPlan) -> list[str]:
             elif not os.path.exists(full):
                 plan.unread.append({"path": full, "reason": "broken or looping symlink"})
             elif file_format(full) is None:
-                plan.unread.append({"path": full, "reason": _unsupported_reason(full)})
+                plan.unread.append({"path": full, "reason": _unsupported_reason(full, listed=True)})
             else:
                 found.append(full)
     return sorted(found)
@@ -214,7 +214,7 @@ def _add_file(path: str, plan: InputPlan, *, given: bool) -> None:
     if fmt is None:
         if given:
             raise InputError(f"{path}: {_unsupported_reason(path)}; convert it to JSON lines or parquet")
-        plan.unread.append({"path": path, "reason": _unsupported_reason(path)})
+        plan.unread.append({"path": path, "reason": _unsupported_reason(path, listed=True)})
         return
     _check_readable(path)
     if fmt[0] == "parquet":
@@ -322,8 +322,9 @@ def _open_binary(inp: InputFile) -> Any:
 def _iter_byte_lines(fh: Any) -> Iterator[bytes]:
     """Lines (with their ``\\n``) of a binary stream that may only support ``read(n)``."""
     rest = b""
+    read = getattr(fh, "read1", fh.read)  # read1: what is decodable now, so a truncated stream keeps its prefix
     while True:
-        chunk = fh.read(_CHUNK_BYTES)
+        chunk = read(_CHUNK_BYTES)
         if not chunk:
             break
         parts = (rest + chunk).split(b"\n")
@@ -335,8 +336,12 @@ def _iter_byte_lines(fh: Any) -> Iterator[bytes]:
 
 
 def _sniff(inp: InputFile) -> bytes:
-    with _open_binary(inp) as fh:
-        return fh.read(4096)
+    """The first decompressed bytes (empty when even they cannot be read: the line reader reports that)."""
+    try:
+        with _open_binary(inp) as fh:
+            return fh.read(4096)
+    except (OSError, EOFError, ValueError):
+        return b""
 
 
 _UTF32_BOMS = {b"\xff\xfe\x00\x00": "utf-32-le", b"\x00\x00\xfe\xff": "utf-32-be"}

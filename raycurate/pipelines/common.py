@@ -58,7 +58,7 @@ def forced(cfg: Any, stage: str) -> bool:
 
 
 def prepare_data(run: RunDir, cfg: Any) -> dict:
-    """corpus (embedded default only) -> base_model -> ingest -> tokenize; record row accounting.
+    """corpus (embedded default only) -> ingest -> base_model -> tokenize; record row accounting.
 
     Returns:
         Stage records by name.
@@ -78,6 +78,9 @@ def prepare_data(run: RunDir, cfg: Any) -> dict:
         )
         inputs = [str(run.root / records["corpus"]["outputs"]["corpus"])]
         upstream = ["corpus"]
+    # ingest first: data that is all rejected fails before a base model is pre-trained
+    records["ingest"] = ingest_stage(run, inputs, cfg.data, upstream=upstream, progress=cfg.run.progress,
+                                     force=forced(cfg, "ingest"))
     model = cfg.model
     records["base_model"] = base_model_stage(
         run, model,
@@ -85,8 +88,6 @@ def prepare_data(run: RunDir, cfg: Any) -> dict:
         data_key=f"embedded-pretrain-v1-{model.pretrain_rows}-{model.pretrain_seed}",
         force=forced(cfg, "base_model"),
     )
-    records["ingest"] = ingest_stage(run, inputs, cfg.data, upstream=upstream, progress=cfg.run.progress,
-                                     force=forced(cfg, "ingest"))
     records["tokenize"] = tokenize_stage(run, accepted_stage="ingest", tokenizer_stage="base_model",
                                          max_length=cfg.data.max_length, pool_cfg=cfg.tokenize,
                                          force=forced(cfg, "tokenize"))

@@ -62,8 +62,14 @@ def ingest_stage(run: RunDir, inputs: list[str], data_cfg: Any, *, upstream: lis
         info["rejected_file"] = "ingest/rejected.jsonl"
         return StageOutput(outputs={"accepted": "accepted", "rejected": "rejected.jsonl"}, metrics=info)
 
+    from raycurate.data.readers import plan_inputs
+
     validation = [data_cfg.validation_input] if data_cfg.validation_input else []
+    # every file a folder / glob expands to (and every file it skips), so an added or edited file re-runs ingest
+    found = [plan_inputs(paths) for paths in (inputs, validation) if paths]
     config = {"inputs": [_file_fingerprint(p, run) for p in inputs],
+              "files": [_file_fingerprint(inp.path, run) for plan in found for inp in plan.inputs],
+              "unread": [item["path"] for plan in found for item in plan.unread],
               "validation_inputs": [_file_fingerprint(p, run) for p in validation], "strict": data_cfg.strict,
               "split_seed": data_cfg.split_seed, "split_ratios": data_cfg.split_ratios}
     record = run_stage(run, "ingest", body, config=config, upstream=upstream, force=force)
