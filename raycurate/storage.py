@@ -164,8 +164,8 @@ def _errors(action: str, loc: Location) -> Iterator[None]:
         yield
     except OSError as exc:
         raise StorageError(
-            f"could not {action} {loc.display}: {scrub(str(exc), loc.uri)}. Check that the bucket or folder exists and that this "
-            f"machine has credentials for it (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for s3://, "
+            f"could not {action} {loc.display}: {scrub(str(exc), loc.uri)}. Check that the bucket or folder exists and "
+            f"that this machine has credentials for it (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for s3://, "
             f"GOOGLE_APPLICATION_CREDENTIALS for gs://), or set {CONFIG_KEY} to a local path"
         ) from None
 

@@ -28,7 +28,8 @@ class BilevelConfig:
     methods: list[str] = option(
         list(BILEVEL_METHODS),
         "Methods trained and evaluated: bds (offline BDS), online (BDS + BMO regeneration), mix_<rho> (direct "
-        "mixing, eq. 3), random, dsir, less (selection baselines trained on validation + selected candidates).", items=is_bilevel_method)
+        "mixing, eq. 3), random, dsir, less (selection baselines trained on validation + selected candidates).",
+        items=is_bilevel_method)
     validation_split: str = option("validation", "Split (data.split_ratios) forming the upper-level validation set.")
     candidate_split: str = option("selection", "Split forming the lower-level candidate pool.")
     validation_clean_only: bool = option(
@@ -46,8 +47,10 @@ class BilevelConfig:
     rho_max: float = option(0.9, "Cap on rho.", ge=0, lt=1)
     variant: str = option("exact", "omega sees candidate losses at theta^{k+1} (exact, eq. 5b) or at theta^k "
                           "(detached, BIPOST's cheaper form).", choices=("exact", "detached"))
-    val_batch: int | None = option(None, "Validation rows per step (null: half of train.effective_batch_size).", ge=1)
-    online_ratio: float = option(0.10, "R: share of candidate questions whose responses are regenerated online.", ge=0, le=1)
+    val_batch: int | None = option(None, "Validation rows per step (null: half of train.effective_batch_size).",
+                                   ge=1)
+    online_ratio: float = option(0.10, "R: share of candidate questions whose responses are regenerated online.",
+                                 ge=0, le=1)
     online_mask: str = option("fixed", "Masked questions: a fixed seeded random set, or the bottom-R by sigma at "
                               "each generation round.", choices=("fixed", "dynamic"))
     online_samples: int = option(1, "G: responses generated per masked question.", ge=1)

@@ -35,7 +35,8 @@ class DataConfig:
     shard_rows: int = option(50_000, "Accepted rows per parquet shard written by ingest.", ge=1)
     corpus_rows: int = option(3000, "Rows of the embedded benchmark corpus (used when input is empty).", ge=1)
     corpus_seed: int = option(0, "Seed of the embedded corpus generator.")
-    corrupt_fraction: float = option(0.3, "Fraction of embedded-corpus responses that are corrupted (and labelled).", ge=0, le=1)
+    corrupt_fraction: float = option(0.3, "Fraction of embedded-corpus responses that are corrupted (and labelled).",
+                                     ge=0, le=1)
     corpus_bad_lines: int = option(
         8, "Malformed/invalid lines appended to the embedded corpus so the demo exercises rejection (0 = none).", ge=0
     )

@@ -37,7 +37,8 @@ class P2DConfig:
     instruction: str = option("Solve the following problems. Show your work and end with '#### answer'.",
                               "Instruction at the top of every ICL prompt.")
     max_prompt_tokens: int = option(2048, "ICL prompts longer than this are an error naming the prompt.", ge=1)
-    epochs: int = option(3, "Epochs of the sparse head adaptation and the baselines on the selected data (paper: 3).", ge=1)
+    epochs: int = option(3, "Epochs of the sparse head adaptation and the baselines on the selected data (paper: 3).",
+                         ge=1)
     lr: float | None = option(None, "Learning rate of the adaptation (null: train.lr).", gt=0)
     train_o: bool = option(False, "Sparse adaptation also trains the selected heads' o_proj columns.")
     lora_r: int = option(128, "LoRA rank of the lora baseline (paper: 128 on q, k, v).", ge=1)

@@ -46,7 +46,8 @@ class RayConfig:
     address: str | None = option(None, "null starts a local Ray; 'auto' joins the cluster of a submitted job.")
     num_cpus: int | None = option(None, "CPUs of a local Ray instance (null: all cores).", ge=1)
     temp_dir: str | None = option(None, "Ray session folder for a local instance (null: Ray's default /tmp/ray).")
-    object_store_memory: int | None = option(None, "Object store bytes for a local instance (null: Ray's default).", ge=1)
+    object_store_memory: int | None = option(None, "Object store bytes for a local instance (null: Ray's default).",
+                                             ge=1)
     spill_dir: str | None = option(None, "Object spilling folder of a local instance (null: Ray's default).")
 
 
@@ -76,7 +77,8 @@ class DemoConfig:
 
     methods: list[str] = option(["sft", "bridge", "p2d", "bilevel"], "Pipelines the demo runs and compares: sft "
                                 "(mixed vs clean SFT), bridge (BRIDGE + token baselines), p2d (head-guided selection "
-                                "+ sparse heads), bilevel (BDS weights, BMO regeneration, example-level baselines).", items=DEMO_METHODS)
+                                "+ sparse heads), bilevel (BDS weights, BMO regeneration, example-level baselines).",
+                                items=DEMO_METHODS)
 
 
 @dataclasses.dataclass

@@ -31,7 +31,8 @@ class TrainConfig:
     use_gpu: bool | None = option(None, "Train on GPUs (one per worker); null = yes iff the Ray cluster has GPUs.")
     lr: float = option(2e-5, "Peak learning rate of AdamW.", gt=0)
     weight_decay: float = option(0.0, "AdamW decoupled weight decay.", ge=0)
-    warmup_ratio: float = option(0.03, "Fraction of optimizer steps with linear warmup before the cosine decay.", ge=0, le=1)
+    warmup_ratio: float = option(0.03, "Fraction of optimizer steps with linear warmup before the cosine decay.",
+                                 ge=0, le=1)
     epochs: int = option(1, "Passes over the training table.", ge=1)
     max_steps: int | None = option(None, "Cap on optimizer steps (null = epochs x steps per epoch).", ge=1)
     micro_batch_size: int = option(4, "Examples per worker per forward/backward pass.", ge=1)

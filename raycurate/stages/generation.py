@@ -187,7 +187,8 @@ class HFGenerationActor:
             if kind == "adapter":
                 from peft import PeftModel
 
-                self._peft = PeftModel.from_pretrained(self._base, adapter_dir, is_trainable=False, local_files_only=True)
+                self._peft = PeftModel.from_pretrained(self._base, adapter_dir, is_trainable=False,
+                                                       local_files_only=True)
                 self._policy = self._peft.to(self.device).eval()
             else:
                 from raycurate.models.loading import load_model

@@ -410,9 +410,10 @@ def lm_eval_stage(
 
     The local held-out tasks (YAML files and the ``utils.py`` lm-eval imports) are written from ``heldout_stage``'s
     ``heldout`` output into a private temp folder on the machine that runs lm-eval (never the shared scratch,
-    where another user could swap the imported code); their per-question records go to ``heldout_samples.jsonl`` (output ``samples``).  The
-    manifest metrics are the flat lm-eval metrics plus the BRIDGE aggregates (``general_avg``, ``target``,
-    ``overall_avg`` for ``domain``) when the named benchmarks allow them.
+    where another user could swap the imported code); their per-question records go to
+    ``heldout_samples.jsonl`` (output ``samples``).  The manifest metrics are the flat lm-eval metrics plus the
+    BRIDGE aggregates (``general_avg``, ``target``, ``overall_avg`` for ``domain``) when the named benchmarks
+    allow them.
     """
     from raycurate.algorithms.eval_summary import DOMAINS, benchmark_scores, summarize_benchmarks
     from raycurate.stages.runtime import run_as_task

@@ -23,7 +23,8 @@ class ActorPoolConfig:
 
     num_actors: int = option(2, "Actors in the pool (one model copy each).", ge=1)
     cpus_per_actor: float | None = option(
-        None, "CPUs per actor; null sizes it from the cluster so read/write tasks always keep a CPU (no deadlock).", gt=0
+        None, "CPUs per actor; null sizes it from the cluster so read/write tasks always keep a CPU (no deadlock).",
+        gt=0
     )
     gpus_per_actor: float | None = option(
         None, "GPUs per actor; null means 1 when the cluster has GPUs, else 0 (CPU actors).", ge=0
