@@ -496,3 +496,18 @@ def test_figures_for_the_issue_note():
     """The table's own counts (printed with -s), so the closing note quotes numbers the suite checks."""
     print(FIGURES)
     assert FIGURES["clear_errors"] + FIGURES["rejected_with_reason"] + FIGURES["handled"] == len(CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_train_on_all_rejected_rows_says_zero_accepted_before_any_model_work(tmp_path, monkeypatch, capsys):
+    """`train` where every row is rejected: ingest (which now runs before base_model) stops the run with the counts
+    and the path of rejected.jsonl, instead of a missing-folder traceback in tokenize."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.jsonl").write_bytes(_lines([b"{oops", {"prompt": "p"}]))
+    code = main(["train", "--data", "bad.jsonl", "--out", OUT, "ray.num_cpus=2", "run.progress=false"])
+    err = capsys.readouterr().err
+    (message,) = [x for x in err.splitlines() if x.startswith("raycurate:")]
+    assert code == 2 and "ingest accepted 0 of 2 rows" in message and "rejected.jsonl" in message
+    stages = json.loads((tmp_path / OUT / "manifest.json").read_text())["stages"]
+    assert "base_model" not in stages and "tokenize" not in stages
