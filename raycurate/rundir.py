@@ -10,22 +10,33 @@ When ``run.runs_dir`` is a storage URI (``s3://bucket/prefix``, ``gs://...``, ``
 uploaded when it is recorded ``done`` and the manifest after it (the manifest is the commit point), and a run
 opened on a fresh machine downloads the manifest and every finished stage first, so it skips them.  ``_scratch/``
 (mid-stage training checkpoints) is never uploaded.
+
+One writer at a time: :func:`open_run_dir` takes an exclusive ``flock`` on ``<root>/.lock`` (the local mirror's,
+for a remote run) and refuses a second process with a :class:`RunDirError` naming the holder's pid and host.  The
+lock dies with its process, so a killed run never blocks the next one, and the next opener removes the temp
+folders (``.<stage>.*.tmp``) a killed run left behind.  Stage names are allow-listed and every path a manifest
+names must stay under the run root, so a tampered (remote) manifest cannot reach outside the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 from raycurate import storage
+from raycurate.errors import UserError
 
 log = logging.getLogger("raycurate")
 
@@ -33,6 +44,110 @@ MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
 SCRATCH = "_scratch"
 MIRRORS = ".cache/raycurate/run-mirrors"
+LOCK = ".lock"
+STAGE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_TEMP_NAME = re.compile(r"^\.[^/]+\.(tmp|old-[0-9-]+|[0-9]+\.download)$")
+_HELD: dict[Path, Any] = {}  # run root -> open lock file of this process
+
+
+class RunDirError(UserError):
+    """The run directory cannot be used: not a folder, not writable, held by another process, or tampered."""
+
+
+def check_stage_name(stage: str) -> str:
+    """``stage`` if it is a safe folder name (letters, digits, ``_ . -``; not ``.``/``..``), else RunDirError."""
+    if not isinstance(stage, str) or not STAGE_NAME.match(stage) or stage in (".", ".."):
+        raise RunDirError(f"stage name {stage!r} is not allowed (letters, digits, '_', '.', '-' only); a manifest "
+                          "naming it was written by something other than raycurate: check where it came from")
+    return stage
+
+
+def inside(root: Path, path: str | Path) -> Path:
+    """``root / path`` resolved, after checking it stays under ``root`` (no ``..`` or absolute escape)."""
+    full = (root / path).resolve()
+    if full != root and not full.is_relative_to(root):
+        raise RunDirError(f"path {str(path)!r} points outside the run directory {root}; the manifest was altered "
+                          "or written by something else: check where it came from")
+    return full
+
+
+def _holder(lock_file: Path) -> str:
+    try:
+        info = json.loads(lock_file.read_text() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')} (since {info.get('since', '?')})"
+
+
+def acquire_lock(root: Path) -> None:
+    """Take the exclusive writer lock of ``root`` for this process (re-entrant within the process).
+
+    Raises:
+        RunDirError: Another process holds it; the message names its pid and host.
+    """
+    if root in _HELD:
+        return
+    lock_file = root / LOCK
+    fh = open(lock_file, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        fh.close()
+        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise RunDirError(f"run directory {root} is in use by {_holder(lock_file)}; wait for it to finish, or "
+                              "give this run another name (run.name / --out)") from None
+        raise
+    fh.seek(0)
+    fh.truncate()
+    fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                         "since": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+    fh.flush()
+    _HELD[root] = fh
+
+
+def release_locks() -> None:
+    """Release every run-directory lock this process holds (the CLI calls it when a command ends)."""
+    for root, fh in list(_HELD.items()):
+        with contextlib.suppress(OSError):
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        fh.close()
+        del _HELD[root]
+
+
+def remove_stale_temps(root: Path) -> list[str]:
+    """Delete temp folders / files a killed writer left in ``root`` (``.<stage>.*.tmp`` and the like).
+
+    Only safe while holding the writer lock: then no other process can be writing them.
+    """
+    removed = []
+    for entry in root.iterdir():
+        if _TEMP_NAME.match(entry.name):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    if removed:
+        log.info("removed %d stale temp entr%s from %s: %s", len(removed), "y" if len(removed) == 1 else "ies",
+                 root, ", ".join(sorted(removed)[:5]))
+    return removed
+
+
+def _make_root(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise RunDirError(f"run directory {root} (or a folder above it) is a file; choose another --out / "
+                          "run.name, or move the file") from None
+    except NotADirectoryError:
+        raise RunDirError(f"a parent of run directory {root} is a file; choose another --out / run.runs_dir") \
+            from None
+    except OSError as exc:
+        raise RunDirError(f"cannot create run directory {root}: {exc.strerror or exc}; choose a writable "
+                          "--out / run.runs_dir") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise RunDirError(f"run directory {root} is not writable by this user; choose a writable --out / "
+                          "run.runs_dir or fix its permissions")
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -83,11 +198,16 @@ class RunDir:
         remote: The run's storage URI (``s3://bucket/runs/<name>``, ...).  When given, the manifest, the
             config and finished stages are downloaded into ``root`` now, and every stage recorded ``done``,
             every manifest save and :meth:`sync` upload to it.  ``None``: a plain local run directory.
+        lock: Take the exclusive writer lock (and clean stale temp folders) before anything else; readers
+            (``inspect``, ``report`` of a local run, Ray workers) pass False.
     """
 
-    def __init__(self, root: str | Path, remote: str | None = None):
+    def __init__(self, root: str | Path, remote: str | None = None, lock: bool = False):
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        _make_root(self.root)
+        if lock:
+            acquire_lock(self.root)
+            remove_stale_temps(self.root)
         self.remote = None if remote is None else storage.Location.parse(remote).checked()
         if self.remote is not None:
             self._pull()
@@ -97,13 +217,21 @@ class RunDir:
         return self.root / MANIFEST
 
     def stage_dir(self, stage: str) -> Path:
-        """Folder that holds one stage's outputs."""
-        return self.root / stage
+        """Folder that holds one stage's outputs (the name is checked: no path escapes the run root)."""
+        return inside(self.root, check_stage_name(stage))
+
+    def path_of(self, relative: str | Path) -> Path:
+        """``root / relative`` for a path recorded in the manifest, checked to stay under the root."""
+        return inside(self.root, relative)
 
     def load_manifest(self) -> dict:
         """The manifest, or an empty skeleton for a new run."""
         if self.manifest_path.exists():
-            return json.loads(self.manifest_path.read_text())
+            try:
+                return json.loads(self.manifest_path.read_text())
+            except ValueError as exc:
+                raise RunDirError(f"{self.manifest_path} is not valid JSON ({exc}); it was edited or truncated: "
+                                  "restore it, or start a new run directory") from None
         skeleton: dict[str, Any] = {"run": self.root.name, "rows": {}, "stages": {}}
         if self.remote is not None:
             skeleton["storage"] = self.remote.display
@@ -129,7 +257,7 @@ class RunDir:
         record = self.stage_record(stage)
         if not record or record.get("status") != "done" or record.get("config_hash") != config_hash:
             return False
-        if not all((self.root / rel).exists() for rel in record.get("outputs", {}).values()):
+        if not all(self.path_of(rel).exists() for rel in record.get("outputs", {}).values()):
             return False
         for name in upstream:
             up = self.stage_record(name) or {}
@@ -159,7 +287,7 @@ class RunDir:
 
     def relative(self, path: str | Path) -> str:
         """``path`` relative to the run root (how outputs are stored in the manifest)."""
-        return str(Path(path).resolve().relative_to(self.root))
+        return str(inside(self.root, Path(path).resolve()).relative_to(self.root))
 
     def _push_file(self, name: str) -> None:
         if self.remote is not None:
@@ -188,7 +316,10 @@ class RunDir:
                     os.replace(tmp, self.root / name)
                 finally:
                     tmp.unlink(missing_ok=True)
-        for stage, record in self.load_manifest()["stages"].items():
+        stages = self.load_manifest().get("stages") or {}
+        for stage in stages:
+            check_stage_name(stage)  # before anything is deleted or written for it
+        for stage, record in stages.items():
             if record.get("status") != "done" or (before.get(stage) == record and self.stage_dir(stage).exists()):
                 continue
             log.info("stage %-14s downloading from %s", stage, self.remote.child(stage).display)
@@ -197,7 +328,7 @@ class RunDir:
                     storage.download(self.remote.child(stage), tmp)
 
 
-def open_run_dir(runs_dir: str | Path, name: str, local_dir: str | Path | None = None) -> RunDir:
+def open_run_dir(runs_dir: str | Path, name: str, local_dir: str | Path | None = None, lock: bool = True) -> RunDir:
     """``<runs_dir>/<name>``: a local run directory, or, when ``runs_dir`` is a storage URI, a local mirror of it.
 
     Args:
@@ -205,9 +336,16 @@ def open_run_dir(runs_dir: str | Path, name: str, local_dir: str | Path | None =
         name: The run name (``run.name``).
         local_dir: Folder holding local mirrors of remote runs (``run.local_dir``); default
             ``.cache/raycurate/run-mirrors/<sha of runs_dir>``.  Ignored for a local ``runs_dir``.
+        lock: Take the exclusive writer lock (the default: every command that writes into a run).
+
+    Raises:
+        RunDirError: The folder cannot be created or written, another process holds it, or ``name`` is empty.
     """
+    if not name or name in (".", "..") or "/" in name:
+        raise RunDirError(f"run name {name!r} is not a folder name; give --out / run.name such as runs/my_run")
     if not storage.is_uri(runs_dir):
-        return RunDir(Path(runs_dir) / name)
+        return RunDir(Path(runs_dir) / name, lock=lock)
     runs_dir = str(runs_dir)
-    mirror = Path(local_dir) if local_dir else Path(MIRRORS) / hashlib.sha256(runs_dir.encode()).hexdigest()[:16]
-    return RunDir(mirror / name, remote=storage.Location.parse(runs_dir).child(name).uri)
+    key = storage.strip_userinfo(runs_dir)  # the mirror folder name never depends on credentials
+    mirror = Path(local_dir) if local_dir else Path(MIRRORS) / hashlib.sha256(key.encode()).hexdigest()[:16]
+    return RunDir(mirror / name, remote=storage.Location.parse(runs_dir).child(name).uri, lock=lock)

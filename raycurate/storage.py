@@ -24,12 +24,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
+from raycurate.errors import UserError
+
 CONFIG_KEY = "run.runs_dir"
 OBJECT_STORES = {"s3", "gcs"}  # an object appears whole once written, so writes need no temp name + rename
 
 
-class StorageError(RuntimeError):
-    """A location could not be parsed or reached; the message names the URI and what to do."""
+class StorageError(UserError, RuntimeError):
+    """A location could not be parsed or reached; the message names the URI (redacted) and what to do."""
 
 
 def is_uri(location: str | os.PathLike) -> bool:
@@ -37,10 +39,44 @@ def is_uri(location: str | os.PathLike) -> bool:
     return re.match(r"^[A-Za-z][A-Za-z0-9+.-]+://", str(location)) is not None
 
 
-def redact(uri: str) -> str:
-    """``uri`` without its query string (which may carry endpoints or keys), for manifests and logs."""
+def strip_userinfo(uri: str) -> str:
+    """``uri`` without ``user:secret@`` in its authority (query kept); a plain path unchanged."""
+    if not is_uri(uri):
+        return uri
     parts = urlsplit(uri)
-    return urlunsplit(parts._replace(query="")) if is_uri(uri) else uri
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
+def redact(uri: str) -> str:
+    """``uri`` without user info (``KEY:SECRET@``) and without its query string (which may carry endpoints or
+    keys): the only form of a URI that is ever printed, logged, saved in a manifest / config or uploaded."""
+    if not is_uri(uri):
+        return uri
+    return urlunsplit(urlsplit(strip_userinfo(uri))._replace(query=""))
+
+
+def secrets_of(uri: str) -> list[str]:
+    """The credential-bearing pieces of ``uri`` (its user info and query values), longest first."""
+    if not is_uri(uri):
+        return []
+    parts = urlsplit(uri)
+    found = []
+    if "@" in parts.netloc:
+        userinfo = parts.netloc.rsplit("@", 1)[0]
+        found += [userinfo, *userinfo.split(":")]
+    for pair in parts.query.split("&"):
+        found.append(pair.partition("=")[2])
+    return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
+
+
+def scrub(text: str, uri: str) -> str:
+    """``text`` (say, an exception message that quotes ``uri``) with every secret of ``uri`` replaced by ``***``."""
+    text = text.replace(uri, redact(uri))
+    for secret in secrets_of(uri):
+        text = text.replace(secret, "***")
+    return text
 
 
 def split_name(location: str | os.PathLike) -> tuple[str, str]:
@@ -86,9 +122,9 @@ class Location:
             fs, path = pafs.FileSystem.from_uri(uri)
         except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, ValueError or OSError here
             raise StorageError(
-                f"{key}={redact(uri)!r} is not a storage URI pyarrow can open ({exc}); use a local path or a URI "
-                f"such as s3://bucket/prefix, gs://bucket/prefix, hdfs://host/path or file:///abs/path"
-            ) from exc
+                f"{key}={redact(uri)!r} is not a storage URI pyarrow can open ({scrub(str(exc), uri)}); use a local "
+                f"path or a URI such as s3://bucket/prefix, gs://bucket/prefix, hdfs://host/path or file:///abs/path"
+            ) from None
         return cls(uri, fs, path.rstrip("/"))
 
     def child(self, *names: str) -> Location:
@@ -128,10 +164,10 @@ def _errors(action: str, loc: Location) -> Iterator[None]:
         yield
     except OSError as exc:
         raise StorageError(
-            f"could not {action} {loc.display}: {exc}. Check that the bucket or folder exists and that this "
-            f"machine has credentials for it (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for s3://, "
+            f"could not {action} {loc.display}: {scrub(str(exc), loc.uri)}. Check that the bucket or folder exists and "
+            f"that this machine has credentials for it (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for s3://, "
             f"GOOGLE_APPLICATION_CREDENTIALS for gs://), or set {CONFIG_KEY} to a local path"
-        ) from exc
+        ) from None
 
 
 def exists(loc: Location) -> bool:

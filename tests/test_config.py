@@ -37,7 +37,8 @@ def test_all_problems_reported_together_with_allowed_values():
     text = str(info.value)
     assert "4 problems" in text
     assert "train.zero_stage: 5 is not one of [0, 1, 2, 3]" in text
-    assert "train.lrr: unknown key; allowed keys in 'train':" in text and "effective_batch_size" in text
+    assert "train.lrr: unknown key (did you mean train.lr?); allowed keys in 'train':" in text
+    assert "effective_batch_size" in text
     assert "pipeline: 'nope' is not one of" in text
     assert "bogus: unknown key; allowed keys in the top level" in text
 

@@ -192,7 +192,7 @@ def test_missing_paths_fail_fast_with_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="folder has no input files"):
         _ingest(str(tmp_path / "emptydir"), tmp_path / "out")
     (tmp_path / "data.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match=r"unsupported input format; supported: JSON lines"):
+    with pytest.raises(ValueError, match=r"unsupported format \(\.csv\); supported: JSON lines"):
         _ingest(str(tmp_path / "data.csv"), tmp_path / "out")
     (tmp_path / "broken.parquet").write_bytes(b"not parquet")
     with pytest.raises(ValueError, match="not a readable parquet file"):

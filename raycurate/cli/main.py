@@ -22,7 +22,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from raycurate.config.loader import ConfigError, apply_overrides, describe, from_dict, read_yaml
+from raycurate.config.loader import apply_overrides, describe, from_dict, override_keys, read_yaml
+from raycurate.errors import UserError
 
 log = logging.getLogger("raycurate")
 
@@ -42,13 +43,19 @@ def _load_job(path: Path | None, overrides: list[str], extra: dict | None = None
     from raycurate.config.schema import JobConfig
 
     data = read_yaml(path) if path else {}
+    flagged: set[str] = set()  # keys set by command-line flags (--data, --out, ...)
     for section, values in (extra or {}).items():
         if isinstance(values, dict):
-            data.setdefault(section, {}).update(values)
+            if not isinstance(data.setdefault(section, {}), dict):
+                data[section] = {}
+            data[section].update(values)
+            flagged.update(f"{section}.{key}" for key in values)
         else:
             data[section] = values
+            flagged.add(section)
     data = apply_overrides(data, overrides)
-    return from_dict(JobConfig, data, source=str(path) if path else "command line")
+    return from_dict(JobConfig, data, source=str(path) if path else "command line",
+                     overridden=override_keys(overrides) | flagged)
 
 
 def _out_to_run(out: str | None) -> dict:
@@ -93,7 +100,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"{key:<34} {tp:<22} default={default!r}\n    {help_text}")
         return 0
     if not args.job:
-        raise SystemExit("raycurate run: give a job file, e.g. `raycurate run jobs/demo.yaml`")
+        raise UserError("run: give a job file, e.g. `raycurate run jobs/demo.yaml`")
+    if "=" in args.job and not Path(args.job).exists():
+        raise UserError(f"run: {args.job!r} looks like an override; give the job file first, e.g. "
+                        f"`raycurate run jobs/demo.yaml {args.job}`")
     cfg = _load_job(Path(args.job), args.overrides)
     run_pipeline(cfg)
     print(f"run directory: {_run_location(cfg)}")
@@ -119,21 +129,36 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_existing_run(location: str, command: str):
+    """The run directory at ``location`` (a path or a storage URI, whose local mirror is pulled), locked for
+    writing; a location without a manifest is an error."""
+    from raycurate import storage
+    from raycurate.rundir import RunDir, open_run_dir
+
+    if storage.is_uri(location):
+        manifest = storage.Location.parse(location, key="RUN_DIR").child("manifest.json")
+        if not storage.is_file(manifest):
+            raise UserError(f"{command}: {storage.redact(location)} has no manifest.json; pass a raycurate run "
+                            "directory (a path or a storage URI)")
+        return open_run_dir(*storage.split_name(location))
+    if not (Path(location) / "manifest.json").is_file():
+        raise UserError(f"{command}: {location} has no manifest.json; pass a raycurate run directory")
+    return RunDir(location, lock=True)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    from raycurate.rundir import RunDir
     from raycurate.stages.lm_eval import LOCAL_TASKS, lm_eval_stage
     from raycurate.stages.runtime import init_ray
 
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "manifest.json").exists():
-        raise FileNotFoundError(f"{run_dir} has no manifest.json; pass a raycurate run directory")
-    run = RunDir(run_dir)
+    run = _open_existing_run(args.run_dir, "eval")
     stages = run.load_manifest().get("stages", {})
     models = [s for s, rec in stages.items() if rec.get("status") == "done" and "model" in (rec.get("outputs") or {})]
     if args.model_stage not in models:
-        raise SystemExit(f"raycurate eval: --model-stage {args.model_stage!r} is not a finished model stage of "
-                         f"{run_dir}; choose one of {models}")
+        raise UserError(f"eval: --model-stage {args.model_stage!r} is not a finished model stage of "
+                        f"{args.run_dir}; choose one of {models}")
     tasks = args.tasks.split(",") if args.tasks else list(LOCAL_TASKS)
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"eval: --limit must be >= 1, got {args.limit}")
     init_ray()
     heldout = "corpus" if "corpus" in stages else None
     try:
@@ -141,26 +166,36 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                heldout_stage=heldout, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
                                domain=args.domain, allow_code_execution=args.allow_code_execution, force=args.force)
     except ValueError as exc:
-        raise SystemExit(f"raycurate eval: {exc}") from None
+        raise UserError(f"eval: {exc}") from None
+    run.sync()
     for key, value in sorted(record["metrics"].items()):
         if not key.endswith(("_stderr", "/samples")):
             print(f"{key:<48} {value:.4f}" if isinstance(value, float) else f"{key:<48} {value}")
-    print(f"results: {run_dir / record['outputs']['lm_eval']}")
+    print(f"results: {run.root / record['outputs']['lm_eval']}")
     return 0
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from raycurate.config.data import DataConfig
+    from raycurate.data.readers import plan_inputs
     from raycurate.rundir import open_run_dir
     from raycurate.stages.data_stages import ingest_stage
     from raycurate.storage import split_name
 
-    data_cfg = from_dict(DataConfig, apply_overrides({"strict": args.strict}, args.overrides), "command line")
+    overrides = [o.removeprefix("data.") for o in args.overrides]
+    data_cfg = from_dict(DataConfig, apply_overrides({"strict": args.strict}, overrides), "command line",
+                         overridden={f"data.{k}" for k in override_keys(overrides)}, prefix="data")
+    plan_inputs(args.input)  # fail on unreadable inputs before anything is written
     run = open_run_dir(*split_name(args.out))
-    record = ingest_stage(run, args.input, data_cfg, upstream=[], progress=True, force=args.force)
-    rows = record["metrics"]["rows"]
-    run.update_manifest(rows={**rows, "rejected_by_reason": record["metrics"].get("rejected_by_reason", {}),
-                              "rejected_files": [record["outputs"]["rejected"]]})
+    try:
+        record = ingest_stage(run, args.input, data_cfg, upstream=[], progress=True, force=args.force)
+    finally:
+        ingest = run.stage_record("ingest") or {}
+        if ingest.get("status") == "done":
+            rows = ingest["metrics"]["rows"]
+            run.update_manifest(rows={**rows, "rejected_by_reason": ingest["metrics"].get("rejected_by_reason", {}),
+                                      "rejected_files": [ingest["outputs"]["rejected"]],
+                                      "unread_files": ingest["metrics"].get("unread_files", [])})
     print(json.dumps(record["metrics"], indent=2))
     print(f"accepted rows: {run.root / record['outputs']['accepted']}\nrejected rows: "
           f"{run.root / record['outputs']['rejected']}")
@@ -179,9 +214,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from raycurate import storage
     from raycurate.report.html import write_run_report
 
-    print(write_run_report(args.run_dir))
+    run = _open_existing_run(args.run_dir, "report")
+    path = write_run_report(run.root)
+    run.sync()
+    print(f"{storage.redact(args.run_dir).rstrip('/')}/report.html" if storage.is_uri(args.run_dir) else path)
     return 0
 
 
@@ -271,16 +310,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(exc: BaseException) -> str:
+    """The error as one line (a multi-line message is joined with ' | ')."""
+    return " | ".join(part.strip() for part in str(exc).splitlines() if part.strip()) or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    from raycurate.storage import StorageError
+    """Run one command; a :class:`~raycurate.errors.UserError` (bad config, input, path, storage, lock) ends in
+    one line ``raycurate: ...`` on stderr and exit code 2, never a traceback."""
+    from raycurate.rundir import release_locks
 
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:
         return int(args.fn(args) or 0)
-    except (ConfigError, FileNotFoundError, StorageError) as exc:
-        print(f"raycurate: {exc}", file=sys.stderr)
+    except (UserError, FileNotFoundError) as exc:
+        print(f"raycurate: {one_line(exc)}", file=sys.stderr)
         return 2
+    finally:
+        release_locks()
 
 
 if __name__ == "__main__":

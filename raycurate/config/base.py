@@ -9,21 +9,37 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
-def option(default: Any, help: str, *, choices: Sequence[Any] | None = None) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[Any] | None = None,
+    items: Sequence[Any] | Callable[[Any], bool] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
     """Declare a config field with a description and optional allowed values.
 
     Args:
         default: Default value. Lists, dicts and nested config sections are copied per instance.
         help: One-sentence description of what the field controls.
         choices: Allowed values; anything else is rejected with the list of choices.
+        items: For a list field: the allowed item values (a sequence, named in errors), or a predicate that says
+            whether one item is allowed (its docstring's first line names the allowed values in errors).
+        ge / gt / le / lt: Bounds of a number field (``None`` values of an optional field are not checked).
 
     Returns:
-        A ``dataclasses.field`` carrying ``help`` and ``choices`` in its metadata.
+        A ``dataclasses.field`` carrying ``help``, ``choices``, ``items`` and ``bounds`` in its metadata.
     """
-    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None}
+    bounds = {name: value for name, value in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if value is not None}
+    items = tuple(items) if items is not None and not callable(items) else items
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "items": items,
+                "bounds": bounds}
     if isinstance(default, (list, dict, set)) or dataclasses.is_dataclass(default):
         return dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

@@ -6,32 +6,38 @@ from dataclasses import dataclass
 
 from raycurate.config.base import option
 
+BRIDGE_BASELINES = ("random", "rho1", "token_cleaning", "independent", "sequential")
+
 
 @dataclass
 class BridgeConfig:
     """Coupled prompt-token / response-token selection."""
 
-    rho_p: float = option(0.75, "Share of eligible prompt tokens kept (b_p = round(rho_p * eligible)).")
-    rho_r: float = option(0.75, "Share of eligible response tokens supervised (b_r = round(rho_r * eligible)).")
+    rho_p: float = option(0.75, "Share of eligible prompt tokens kept (b_p = round(rho_p * eligible)).", gt=0, le=1)
+    rho_r: float = option(0.75, "Share of eligible response tokens supervised (b_r = round(rho_r * eligible)).",
+                          gt=0, le=1)
     schedule: str = option("alternating", "Selection schedule.", choices=("independent", "one_pass", "alternating"))
-    rounds: int = option(4, "Alternating rounds T (alternating schedule only).")
-    lam: float = option(0.2, "Anchor weight lambda in v = (1-lambda) g_target/|g| + lambda g_anchor/|g|.")
-    last_layers: int = option(4, "Final transformer layers whose parameters define the scoring direction.")
-    routing_layer: int | None = option(None, "Attention layer for routing weights (null: last full-attention layer).")
+    rounds: int = option(4, "Alternating rounds T (alternating schedule only).", ge=1)
+    lam: float = option(0.2, "Anchor weight lambda in v = (1-lambda) g_target/|g| + lambda g_anchor/|g|.", ge=0, le=1)
+    last_layers: int = option(4, "Final transformer layers whose parameters define the scoring direction.",
+                              ge=1)
+    routing_layer: int | None = option(None, "Attention layer for routing weights (null: last full-attention layer).",
+                                       ge=0)
     closure: bool = option(True, "Apply the structure-aware closure projection to the response mask.")
-    closure_tau: float | None = option(None, "Closure score floor tau (null: the closure module's default).")
-    closure_alpha: float = option(0.5, "Closure length exponent alpha in q(u) = sum max(s, -tau) / |u|^alpha.")
-    max_unit_tokens: int = option(96, "Closure: split structural units longer than this.")
-    min_unit_tokens: int = option(4, "Closure: merge structural units shorter than this.")
+    closure_tau: float | None = option(None, "Closure score floor tau (null: the closure module's default).", ge=0)
+    closure_alpha: float = option(0.5, "Closure length exponent alpha in q(u) = sum max(s, -tau) / |u|^alpha.", ge=0)
+    max_unit_tokens: int = option(96, "Closure: split structural units longer than this.", ge=1)
+    min_unit_tokens: int = option(4, "Closure: merge structural units shorter than this.", ge=1)
     fold_fixed_response: bool = option(
         False, "Count the always-supervised EOS / end-of-turn tokens in the prompt scores Delta_p (paper: no)."
     )
-    warmup_epochs: int = option(1, "Epochs of warmup SFT on the warmup split (theta_old -> theta_bar).")
-    validation_rows: int | None = option(None, "Cap on validation rows for g_target (null: the whole split).")
-    micro_batch: int = option(8, "Examples per forward JVP / attention pass inside a scoring actor.")
-    diagnostics_rows: int = option(200, "Examples in the fidelity diagnostics sample (0 disables).")
+    warmup_epochs: int = option(1, "Epochs of warmup SFT on the warmup split (theta_old -> theta_bar).", ge=0)
+    validation_rows: int | None = option(None, "Cap on validation rows for g_target (null: the whole split).", ge=1)
+    micro_batch: int = option(8, "Examples per forward JVP / attention pass inside a scoring actor.", ge=1)
+    diagnostics_rows: int = option(200, "Examples in the fidelity diagnostics sample (0 disables).", ge=0)
     baselines: list[str] = option(
         ["random"], "Token-selection baselines trained at matched budgets: random, rho1 (excess loss), "
         "token_cleaning, independent / sequential (surprisal prompt selector + Token Cleaning, App. D.1).",
+        items=BRIDGE_BASELINES,
     )
     seed: int = option(0, "Seed of the random baseline and the diagnostics sample.")

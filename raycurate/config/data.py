@@ -30,16 +30,27 @@ class DataConfig:
         "Split name -> fraction of accepted rows (must sum to 1; order fixes the hash intervals).",
     )
     max_length: int = option(
-        512, "Longest tokenized sequence (prompt + response + specials); longer rows are rejected as over_length."
+        512, "Longest tokenized sequence (prompt + response + specials); longer rows are rejected as over_length.", ge=8
     )
-    shard_rows: int = option(50_000, "Accepted rows per parquet shard written by ingest.")
-    corpus_rows: int = option(3000, "Rows of the embedded benchmark corpus (used when input is empty).")
+    shard_rows: int = option(50_000, "Accepted rows per parquet shard written by ingest.", ge=1)
+    corpus_rows: int = option(3000, "Rows of the embedded benchmark corpus (used when input is empty).", ge=1)
     corpus_seed: int = option(0, "Seed of the embedded corpus generator.")
-    corrupt_fraction: float = option(0.3, "Fraction of embedded-corpus responses that are corrupted (and labelled).")
+    corrupt_fraction: float = option(0.3, "Fraction of embedded-corpus responses that are corrupted (and labelled).",
+                                     ge=0, le=1)
     corpus_bad_lines: int = option(
-        8, "Malformed/invalid lines appended to the embedded corpus so the demo exercises rejection (0 = none)."
+        8, "Malformed/invalid lines appended to the embedded corpus so the demo exercises rejection (0 = none).", ge=0
     )
-    heldout_rows: int = option(200, "Held-out clean embedded-corpus rows kept for evaluation (never trained on).")
+    heldout_rows: int = option(200, "Held-out clean embedded-corpus rows kept for evaluation (never trained on).", ge=0)
+
+    def config_problems(self) -> list[str]:
+        """``split_ratios`` must be non-negative finite shares summing to 1."""
+        from raycurate.data.splits import check_ratios
+
+        try:
+            check_ratios(self.split_ratios)
+        except ValueError as exc:
+            return [f"data.split_ratios: {exc}"]
+        return []
 
     def input_paths(self) -> list[str]:
         """``input`` as a list (empty list = use the embedded corpus)."""

@@ -3,14 +3,20 @@
 All problems in one file are collected and reported together, each naming the dotted key, what was given and what
 is allowed, so a user fixes a config in one pass::
 
-    ConfigError: jobs/demo.yaml has 2 problems:
-      - train.zero_stage: 5 is not one of [0, 1, 2, 3]
-      - data.strickt: unknown key; allowed keys in 'data': input, strict, ...
+    ConfigError: jobs/demo.yaml has 2 problems: (1) train.zero_stage: 5 is not one of [0, 1, 2, 3] [in
+    jobs/demo.yaml]; (2) train.lrr: unknown key (did you mean train.lr?) [from the command line]
+
+Checks run when the config is loaded, before any stage: types, ``choices``, the allowed items of list-valued
+names, number ranges (see :func:`raycurate.config.base.option`) and each section's cross-field checks (a
+``config_problems()`` method returning problem strings).  Each problem says whether the key came from the file or
+the command line, and an unknown key gets the closest valid key as a suggestion.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
 import hashlib
 import json
 import types
@@ -20,16 +26,18 @@ from typing import Any, TypeVar
 
 import yaml
 
+from raycurate.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
-    """A config file or override does not match the typed schema."""
+class ConfigError(UserError, ValueError):
+    """A config file or override does not match the typed schema; the message is one line listing every problem."""
 
     def __init__(self, source: str, problems: list[str]):
         self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{source} has {len(problems)} problem{'s' if len(problems) != 1 else ''}:\n{lines}")
+        listed = problems[0] if len(problems) == 1 else "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+        super().__init__(f"{source} has {len(problems)} problem{'s' if len(problems) != 1 else ''}: {listed}")
 
 
 def _type_name(tp: Any) -> str:
@@ -42,7 +50,7 @@ def _type_name(tp: Any) -> str:
     return f"{origin.__name__}[{args}]"
 
 
-def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
+def _coerce(value: Any, tp: Any, key: str, problems: list[str], root: type | None = None) -> Any:
     """Check ``value`` against type ``tp``; return the (lightly coerced) value or record a problem."""
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -84,7 +92,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         if not isinstance(value, dict):
             problems.append(f"{key}: expected a mapping of {tp.__name__} fields, got {type(value).__name__}")
             return tp()
-        return _build(tp, value, key, problems)
+        return _build(tp, value, key, problems, root)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):
@@ -101,53 +109,156 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
     return value
 
 
-def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
+def _number_problem(value: Any, bounds: dict[str, float]) -> str | None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if value != value:  # NaN
+        return f"{value!r} is not a number"
+    tests = {"ge": (value >= bounds.get("ge", value), ">="), "gt": (value > bounds.get("gt", value - 1), ">"),
+             "le": (value <= bounds.get("le", value), "<="), "lt": (value < bounds.get("lt", value + 1), "<")}
+    failed = [f"{op} {bounds[name]}" for name, (ok, op) in tests.items() if name in bounds and not ok]
+    return f"{value!r} must be {' and '.join(failed)}" if failed else None
+
+
+def _items_problem(value: Any, items: Any) -> str | None:
+    if not isinstance(value, list):
+        return None
+    if callable(items):
+        bad = [v for v in value if not items(v)]
+        allowed = (items.__doc__ or "").strip().splitlines()[0] if items.__doc__ else "see --help-config"
+    else:
+        bad = [v for v in value if v not in items]
+        allowed = f"one of {list(items)}"
+    if not bad:
+        return None
+    hints = [f"{v!r} -> {m[0]!r}" for v in bad if isinstance(v, str) and not callable(items)
+             for m in [difflib.get_close_matches(v, [str(i) for i in items], n=1)] if m]
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    return f"{', '.join(repr(v) for v in bad)} not allowed{hint}; each item must be {allowed}"
+
+
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a config dataclass, sections included (``train``, ``train.lr``, ...)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(all_keys(hints[f.name], key + "."))
+    return keys
+
+
+def _suggest(key: str, name: str, siblings: list[str], root: type | None) -> str:
+    """`` (did you mean train.lr?)`` for the closest sibling, or a key of the same name in another section."""
+    prefix = key[: -len(name)]
+    close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {prefix}{close[0]}?)"
+    if root is not None:
+        leaves = [k for k in all_keys(root) if k.rsplit(".", 1)[-1] == name]
+        if not leaves:
+            leaves = difflib.get_close_matches(key, all_keys(root), n=1, cutoff=0.75)
+        if leaves:
+            return f" (did you mean {leaves[0]}?)"
+    return ""
+
+
+def _build(cls: type[T], data: dict, prefix: str, problems: list[str], root: type | None = None) -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
+    before = len(problems)
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in fields:
             where = f"'{prefix}'" if prefix else "the top level"
-            problems.append(f"{key}: unknown key; allowed keys in {where}: {', '.join(sorted(fields))}")
+            hint = _suggest(key, str(name), list(fields), root)
+            problems.append(f"{key}: unknown key{hint}; allowed keys in {where}: {', '.join(sorted(fields))}")
             continue
-        value = _coerce(value, hints[name], key, problems)
-        choices = fields[name].metadata.get("choices")
+        value = _coerce(value, hints[name], key, problems, root)
+        meta = fields[name].metadata
+        choices = meta.get("choices")
         if choices is not None and value is not None and value not in choices:
-            problems.append(f"{key}: {value!r} is not one of {list(choices)}")
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"{key}: {value!r} is not one of {list(choices)}{hint}")
+        for check in (_number_problem(value, meta.get("bounds") or {}),
+                      _items_problem(value, meta["items"]) if meta.get("items") else None):
+            if check:
+                problems.append(f"{key}: {check}")
         kwargs[name] = value
     try:
-        return cls(**kwargs)
+        obj = cls(**kwargs)
     except (TypeError, ValueError) as exc:
         problems.append(f"{prefix or cls.__name__}: {exc}")
         return cls()
+    if len(problems) == before and hasattr(obj, "config_problems"):
+        problems.extend(obj.config_problems())
+    return obj
 
 
-def from_dict(cls: type[T], data: dict | None, source: str = "config") -> T:
+def _origin(problem: str, source: str, overridden: set[str]) -> str:
+    key = problem.split(":", 1)[0].split("[", 1)[0].strip()
+    parts = key.split(".")
+    from_cli = any(".".join(parts[:i]) in overridden for i in range(1, len(parts) + 1))
+    return f"{problem} [from the command line]" if from_cli else f"{problem} [in {source}]"
+
+
+def from_dict(cls: type[T], data: dict | None, source: str = "config", overridden: set[str] | None = None,
+              prefix: str = "") -> T:
     """Build and validate a config dataclass from a plain mapping.
 
+    Args:
+        cls: The config dataclass.
+        data: Plain mapping (YAML + overrides).
+        source: The file it came from (named in errors).
+        overridden: Dotted keys set on the command line; when given, each problem says whether its key came from
+            ``source`` or the command line.
+        prefix: Dotted name of the section ``cls`` is (``"data"`` when a command builds only that section), so
+            errors name the full key.
+
     Raises:
-        ConfigError: listing every unknown key, wrong type and disallowed value found.
+        ConfigError: listing every unknown key, wrong type, disallowed value, out-of-range number and failed
+            cross-field check found.
     """
     problems: list[str] = []
-    obj = _build(cls, data or {}, "", problems)
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(source, [f"top level must be a mapping of sections, got {type(data).__name__}"])
+    obj = _build(cls, data or {}, prefix, problems, root=cls)
     if problems:
+        if overridden is not None:
+            problems = [_origin(p, source, overridden) for p in problems]
         raise ConfigError(source, problems)
     return obj
+
+
+def override_keys(overrides: list[str]) -> set[str]:
+    """The dotted keys that ``key=value`` overrides set (for saying where a bad key came from)."""
+    return {text.split("=", 1)[0].strip() for text in overrides if "=" in text}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``a.b.c=value`` into its key path and a YAML-parsed value."""
     if "=" not in text:
-        raise ConfigError("command line", [f"{text!r}: overrides look like key=value, e.g. train.lr=1e-4"])
+        raise ConfigError("command line", [f"{text!r}: overrides look like key=value, e.g. train.lr=1e-4 (a path "
+                                           "or a job file goes before the overrides)"])
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
-    return key.strip().split("."), value
+    path = key.strip().split(".")
+    if not all(part.strip() for part in path):
+        raise ConfigError("command line", [f"{text!r}: empty key; overrides look like section.key=value"])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        detail = str(exc).replace("\n", " ")
+        raise ConfigError("command line", [f"{key.strip()}: value {raw!r} is not valid YAML ({detail}); quote it"]) \
+            from None
+    return path, value
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Return a copy of ``data`` with each ``key=value`` override set (intermediate mappings created)."""
-    out = json.loads(json.dumps(data))
+    out = copy.deepcopy(data)
     for text in overrides:
         path, value = parse_override(text)
         node = out
@@ -167,9 +278,13 @@ def read_yaml(path: str | Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(str(path), [f"not valid YAML: {exc}"]) from exc
+        detail = " ".join(str(exc).split())
+        raise ConfigError(str(path), [f"not valid YAML: {detail}"]) from None
+    except (UnicodeDecodeError, IsADirectoryError, PermissionError) as exc:
+        raise ConfigError(str(path), [f"cannot be read as a YAML text file ({exc}); pass a job YAML file"]) from None
     if not isinstance(data, dict):
-        raise ConfigError(str(path), ["top level must be a mapping of sections"])
+        raise ConfigError(str(path), [f"top level must be a mapping of sections (pipeline:, data:, train: ...), "
+                                      f"got a {type(data).__name__}; see jobs/*.yaml"])
     return data
 
 
@@ -177,7 +292,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     """Load ``cls`` from an optional YAML file and ``key=value`` overrides (overrides win)."""
     data = read_yaml(path) if path is not None else {}
     data = apply_overrides(data, overrides or [])
-    return from_dict(cls, data, source=str(path) if path else "command line")
+    return from_dict(cls, data, source=str(path) if path else "command line", overridden=override_keys(overrides or []))
 
 
 def to_dict(obj: Any) -> Any:

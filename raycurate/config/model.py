@@ -18,10 +18,11 @@ class ModelConfig:
         "or a local HF checkpoint directory with config.json, weights and tokenizer files.",
     )
     cache_dir: str = option(".cache/raycurate", "Folder for cached pre-trained tiny base models.")
-    pretrain_steps: int = option(300, "Optimizer steps of the tiny preset's pre-training (16 x 128-token blocks each).")
+    pretrain_steps: int = option(300, "Optimizer steps of the tiny preset's pre-training (16 x 128-token blocks each).",
+                                 ge=0)
     pretrain_seed: int = option(0, "Seed of the tiny preset's weight init and pre-training block order.")
-    pretrain_rows: int = option(4000, "Clean corpus texts used to train the tiny preset's tokenizer and weights.")
-    vocab_size: int = option(2048, "Byte-level BPE vocabulary size of the tiny preset's tokenizer (>= 263).")
+    pretrain_rows: int = option(4000, "Clean corpus texts used to train the tiny preset's tokenizer and weights.", ge=1)
+    vocab_size: int = option(2048, "Byte-level BPE vocabulary size of the tiny preset's tokenizer (>= 263).", ge=263)
     chat_template: bool = option(
         True, "Give the tiny preset's tokenizer a system/user/assistant chat template (turns end with <|end|>)."
     )

@@ -17,6 +17,8 @@ from raycurate.config.train import TrainConfig
 from raycurate.stages.ray_data import ActorPoolConfig
 
 PIPELINES = ("demo", "sft", "bridge", "p2d", "bilevel", "proving_ground")
+DEMO_METHODS = ("sft", "bridge", "p2d", "bilevel")
+BRIDGE_SPLITS = ("warmup", "validation", "selection")
 
 
 @dataclasses.dataclass
@@ -42,9 +44,10 @@ class RayConfig:
     """How to reach Ray."""
 
     address: str | None = option(None, "null starts a local Ray; 'auto' joins the cluster of a submitted job.")
-    num_cpus: int | None = option(None, "CPUs of a local Ray instance (null: all cores).")
+    num_cpus: int | None = option(None, "CPUs of a local Ray instance (null: all cores).", ge=1)
     temp_dir: str | None = option(None, "Ray session folder for a local instance (null: Ray's default /tmp/ray).")
-    object_store_memory: int | None = option(None, "Object store bytes for a local instance (null: Ray's default).")
+    object_store_memory: int | None = option(None, "Object store bytes for a local instance (null: Ray's default).",
+                                             ge=1)
     spill_dir: str | None = option(None, "Object spilling folder of a local instance (null: Ray's default).")
 
 
@@ -52,21 +55,21 @@ class RayConfig:
 class EvalConfig:
     """Held-out evaluation of trained checkpoints (exact match of the final answer and gold-response loss)."""
 
-    max_new_tokens: int = option(96, "Generation budget per held-out question (greedy and sampled).")
-    batch_size: int = option(32, "Questions per generation batch.")
+    max_new_tokens: int = option(96, "Generation budget per held-out question (greedy and sampled).", ge=1)
+    batch_size: int = option(32, "Questions per generation batch.", ge=1)
     samples: int = option(4, "Sampled answers per held-out question at eval.temperature (0: greedy only). Their "
                           "accuracy, sampled_exact_match, shows how often a model reproduces what it was taught, "
-                          "bad rows included; greedy decoding hides a minority of bad rows.")
-    temperature: float = option(1.0, "Sampling temperature of the sampled answers.")
+                          "bad rows included; greedy decoding hides a minority of bad rows.", ge=0)
+    temperature: float = option(1.0, "Sampling temperature of the sampled answers.", gt=0)
     seed: int = option(0, "Seed of the sampled answers (each question's samples depend on it and the question id).")
     pool: ActorPoolConfig = option(ActorPoolConfig(num_actors=2, batch_size=50), "Actor pool for evaluation.")
     lm_eval_tasks: list[str] = option(
         [], "lm-eval tasks run on each main trained model: raycurate_heldout_em / raycurate_heldout_gold_ll (the "
         "embedded held-out set) and named harness tasks (arc_challenge, hellaswag, mmlu, humaneval, gsm8k, "
         "minerva_math, ifeval; their datasets must be in the local HF cache). Empty: skip lm-eval.")
-    lm_eval_limit: int | None = option(None, "Documents per lm-eval task (null: all).")
+    lm_eval_limit: int | None = option(None, "Documents per lm-eval task (null: all).", ge=1)
     lm_eval_num_fewshot: int | None = option(None, "Few-shot examples for the named tasks (null: each task's default; "
-                                             "the BRIDGE paper uses 5 for MMLU).")
+                                             "the BRIDGE paper uses 5 for MMLU).", ge=0)
     lm_eval_allow_code_execution: bool = option(
         False, "Let lm-eval run model-written code (needed by humaneval / mbpp; run on an isolated machine).")
     lm_eval_domain: str = option("math", "Target domain for the BRIDGE paper's General / Overall averages.",
@@ -79,7 +82,8 @@ class DemoConfig:
 
     methods: list[str] = option(["sft", "bridge", "p2d", "bilevel"], "Pipelines the demo runs and compares: sft "
                                 "(mixed vs clean SFT), bridge (BRIDGE + token baselines), p2d (head-guided selection "
-                                "+ sparse heads), bilevel (BDS weights, BMO regeneration, example-level baselines).")
+                                "+ sparse heads), bilevel (BDS weights, BMO regeneration, example-level baselines).",
+                                items=DEMO_METHODS)
 
 
 @dataclasses.dataclass
@@ -111,3 +115,25 @@ class JobConfig:
     bilevel: BilevelConfig = option(BilevelConfig(),
                                     "Bilevel data weights (BDS), online regeneration (BMO), baselines.")
     p2d_pool: ActorPoolConfig = option(ActorPoolConfig(batch_size=8), "Actor pool for P2D ICL probing and IFD.")
+
+    def runs(self, method: str) -> bool:
+        """Whether this job runs ``method`` (its own pipeline, or the demo with it in ``demo.methods``)."""
+        return self.pipeline == method or (self.pipeline in ("demo", "proving_ground") and method in self.demo.methods)
+
+    def config_problems(self) -> list[str]:
+        """Cross-section checks of what the chosen pipeline needs (split names, batch arithmetic)."""
+        problems = []
+        splits = set(self.data.split_ratios)
+        needed: list[tuple[str, str]] = []
+        if self.runs("bridge"):
+            needed += [("data.split_ratios", name) for name in BRIDGE_SPLITS]
+        if self.runs("bilevel"):
+            needed += [("bilevel.validation_split", self.bilevel.validation_split),
+                       ("bilevel.candidate_split", self.bilevel.candidate_split)]
+        if self.runs("p2d") and self.p2d.pool_split is not None:
+            needed.append(("p2d.pool_split", self.p2d.pool_split))
+        for key, split in needed:
+            if split not in splits:
+                problems.append(f"{key}: pipeline {self.pipeline!r} needs a split named {split!r}, but "
+                                f"data.split_ratios has only {sorted(splits)}; add it (a 0.0 share is allowed)")
+        return problems

@@ -24,27 +24,28 @@ class TrainConfig:
     )
     zero_stage: int = option(2, "DeepSpeed ZeRO stage (0 = plain data parallel, 3 = partitioned parameters).",
                              choices=(0, 1, 2, 3))
-    num_workers: int = option(2, "Ray Train workers (data-parallel ranks).")
+    num_workers: int = option(2, "Ray Train workers (data-parallel ranks).", ge=1)
     cpus_per_worker: float | None = option(
-        None, "CPUs reserved per worker; null sizes it from the cluster so the pool fits beside the driver."
+        None, "CPUs reserved per worker; null sizes it from the cluster so the pool fits beside the driver.", gt=0
     )
     use_gpu: bool | None = option(None, "Train on GPUs (one per worker); null = yes iff the Ray cluster has GPUs.")
-    lr: float = option(2e-5, "Peak learning rate of AdamW.")
-    weight_decay: float = option(0.0, "AdamW decoupled weight decay.")
-    warmup_ratio: float = option(0.03, "Fraction of optimizer steps with linear warmup before the cosine decay.")
-    epochs: int = option(1, "Passes over the training table.")
-    max_steps: int | None = option(None, "Cap on optimizer steps (null = epochs x steps per epoch).")
-    micro_batch_size: int = option(4, "Examples per worker per forward/backward pass.")
+    lr: float = option(2e-5, "Peak learning rate of AdamW.", gt=0)
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay.", ge=0)
+    warmup_ratio: float = option(0.03, "Fraction of optimizer steps with linear warmup before the cosine decay.",
+                                 ge=0, le=1)
+    epochs: int = option(1, "Passes over the training table.", ge=1)
+    max_steps: int | None = option(None, "Cap on optimizer steps (null = epochs x steps per epoch).", ge=1)
+    micro_batch_size: int = option(4, "Examples per worker per forward/backward pass.", ge=1)
     effective_batch_size: int = option(
-        8, "Examples per optimizer step over all workers; a multiple of micro_batch_size * num_workers."
+        8, "Examples per optimizer step over all workers; a multiple of micro_batch_size * num_workers.", ge=1
     )
-    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.")
+    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0)
     bf16: bool | None = option(None, "bf16 mixed precision; null = on iff training runs on CUDA.")
     seed: int = option(0, "Seed of the data order (per epoch) and of dropout.")
     checkpoint_every_steps: int | None = option(
-        None, "Save a resumable checkpoint every N optimizer steps (null = at the end of each epoch)."
+        None, "Save a resumable checkpoint every N optimizer steps (null = at the end of each epoch).", ge=1
     )
-    keep_checkpoints: int = option(2, "Most recent checkpoints kept in Ray Train storage.")
+    keep_checkpoints: int = option(2, "Most recent checkpoints kept in Ray Train storage.", ge=1)
     offload_optimizer: bool = option(
         False, "ZeRO-Offload: optimizer states, fp32 master weights and the optimizer step live in CPU memory "
         "(DeepSpeed, ZeRO 1-3)."
@@ -52,6 +53,23 @@ class TrainConfig:
     offload_params: bool = option(False, "ZeRO-3 parameter offload to CPU memory (DeepSpeed, zero_stage=3 only).")
     max_failures: int = option(
         0, "Ray Train FailureConfig: worker-group restarts after a worker dies; each restart resumes from the "
-        "latest checkpoint (-1 = unlimited)."
+        "latest checkpoint (-1 = unlimited).", ge=-1
     )
-    log_every_steps: int = option(10, "Rank 0 logs loss and learning rate every N optimizer steps.")
+    log_every_steps: int = option(10, "Rank 0 logs loss and learning rate every N optimizer steps.", ge=1)
+
+    def config_problems(self) -> list[str]:
+        """Batch arithmetic and engine options that only work together."""
+        problems = []
+        per_pass = self.micro_batch_size * self.num_workers
+        if self.effective_batch_size % per_pass:
+            problems.append(
+                f"train.effective_batch_size: {self.effective_batch_size} must be a multiple of micro_batch_size x "
+                f"num_workers = {per_pass}; use {per_pass}, {2 * per_pass}, {4 * per_pass}, ...")
+        if (self.offload_optimizer or self.offload_params) and self.engine != "deepspeed":
+            problems.append("train.offload_optimizer / train.offload_params: need train.engine=deepspeed")
+        elif (self.offload_optimizer or self.offload_params) and self.zero_stage == 0:
+            problems.append("train.offload_optimizer / train.offload_params: need train.zero_stage 1-3 (got 0)")
+        if self.offload_params and self.zero_stage != 3:
+            problems.append(f"train.offload_params: true needs train.zero_stage=3 (got {self.zero_stage}); use "
+                            "train.offload_optimizer for ZeRO-1/2")
+        return problems

@@ -19,13 +19,14 @@ Memory is bounded by one shard of accepted rows plus the set of seen ids.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from raycurate.data.readers import InputFile, RawRow, iter_input, raw_text, resolve_inputs
+from raycurate.data.readers import InputFile, RawRow, iter_input, plan_inputs, raw_text
 from raycurate.data.schema import (
     DOMAINS,
     EMPTY_FILE,
@@ -35,6 +36,9 @@ from raycurate.data.schema import (
 )
 from raycurate.data.splits import SplitAssigner, check_ratios, without_split
 from raycurate.data.validate import check_record
+from raycurate.errors import InputError
+
+log = logging.getLogger("raycurate")
 
 ACCEPTED_PATTERN = "accepted-{index:05d}.parquet"
 REJECTED_NAME = "rejected.jsonl"
@@ -52,6 +56,7 @@ class IngestResult:
         accepted_by_split: Split name -> count.
         accepted_by_domain: Domain -> count (``"none"`` for rows without a domain).
         files: ``{"path", "rows", "warning"}`` per input in read order.
+        unread_files: ``{"path", "reason"}`` per file under an input folder / glob that was not read.
         accepted_files: Accepted parquet shards, in order.
         rejected_file: Path of ``rejected.jsonl``.
         json_columns: Pass-through fields stored JSON-encoded because their values have no common type.
@@ -66,6 +71,7 @@ class IngestResult:
     accepted_files: list[str]
     rejected_file: str
     json_columns: list[str] = field(default_factory=list)
+    unread_files: list[dict[str, str]] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -331,8 +337,9 @@ def ingest(
         :class:`IngestResult`.
 
     Raises:
-        FileNotFoundError / ValueError: Missing or unreadable inputs (before any row is read), bad ratios, or
-            every input empty.
+        InputError (a ValueError; :class:`~raycurate.data.readers.InputNotFound` is also a FileNotFoundError):
+            missing or unreadable inputs (before any row is read), or every input empty.
+        ValueError: Bad split ratios or shard size.
         DataValidationError: In strict mode, the first bad row or empty file.
     """
     from tqdm import tqdm
@@ -340,10 +347,17 @@ def ingest(
     start = time.perf_counter()
     check_ratios(split_ratios)
     plan: list[tuple[InputFile, str | None]] = []
+    unread: list[dict[str, str]] = []
     if validation_paths:
-        plan += [(inp, validation_split) for inp in resolve_inputs(validation_paths)]
+        found = plan_inputs(validation_paths)
+        plan += [(inp, validation_split) for inp in found.inputs]
+        unread += found.unread
         split_ratios = without_split(split_ratios, validation_split)
-    plan += [(inp, None) for inp in resolve_inputs(paths)]
+    found = plan_inputs(paths)
+    plan += [(inp, None) for inp in found.inputs]
+    unread += found.unread
+    for item in unread:
+        log.warning("not read: %s (%s)", item["path"], item["reason"])
     assigner = SplitAssigner(split_seed, split_ratios)
     os.makedirs(out_dir, exist_ok=True)
 
@@ -363,7 +377,7 @@ def ingest(
             files.append({"path": inp.source, "rows": rows, "warning": _empty_file_check(inp, rows, strict)})
         if run.counts.input == 0:
             names = ", ".join(f["path"] for f in files)
-            raise ValueError(f"all inputs are empty (no rows in {names}); check the input paths")
+            raise InputError(f"all inputs are empty (no rows in {names}); check the input paths")
         accepted_files, rejected_file = run.finish()
     except BaseException:
         run.abort()
@@ -382,5 +396,6 @@ def ingest(
         accepted_files=accepted_files,
         rejected_file=rejected_file,
         json_columns=list(run.writer.json_columns),
+        unread_files=unread,
         seconds=round(time.perf_counter() - start, 3),
     )

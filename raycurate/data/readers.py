@@ -1,17 +1,27 @@
-"""Streaming readers for the corpus formats: JSON lines, parquet and HF ``save_to_disk`` folders.
+"""Streaming readers for the corpus formats: JSON lines (plain or compressed), parquet and HF ``save_to_disk`` folders.
 
 Decisions:
 
-* Format comes from the path: ``.jsonl`` / ``.ndjson`` / ``.json`` are JSON lines (a ``.json`` file whose first
-  non-blank byte is ``[`` is read as one JSON array, loaded whole, elements numbered from 1); ``.parquet`` is
-  parquet; a folder with ``dataset_info.json`` / ``state.json`` (a ``Dataset``) or ``dataset_dict.json`` (a
-  ``DatasetDict``, splits read in name order) is an HF dataset.  Any other folder is expanded to the supported
-  files under it (recursively, sorted); a path with ``*``/``?``/``[`` is a glob (sorted).  So the row order is
-  deterministic for a given set of files.
+* Format comes from the path: ``.jsonl`` / ``.ndjson`` / ``.json`` are JSON lines, also compressed as ``.gz``,
+  ``.bz2``, ``.xz`` or ``.zst`` (``rows.jsonl.gz``); a ``.json`` file whose first non-blank byte is ``[`` is read as
+  one JSON array (elements numbered from 1), and one whose whole text is a single JSON object is one row.
+  ``.parquet`` is parquet; a folder with ``dataset_info.json`` / ``state.json`` (a ``Dataset``) or
+  ``dataset_dict.json`` (a ``DatasetDict``, splits read in name order) is an HF dataset.  Any other folder is
+  expanded to the supported files under it (recursively, sorted); a path with ``*``/``?``/``[`` is a glob (sorted).
+  So the row order is deterministic for a given set of files.
+* Nothing under a folder or glob is skipped silently: every file that is not read (unsupported suffix, hidden,
+  a symlinked folder, a broken symlink) is listed with its reason by :func:`plan_inputs` (ingest puts the list in
+  its metrics and logs it).  A path given directly that cannot be read is an :class:`~raycurate.errors.InputError`.
 * JSON lines are read as bytes and decoded per line, so one bad line is one rejected row: invalid UTF-8 ->
   ``non_utf8``, invalid JSON -> ``malformed_json``, a JSON value that is not an object -> ``wrong_type``.
   Blank (whitespace-only) lines are skipped and not counted as input rows; ``line`` is always the physical
-  1-based line number in the file, so error messages point at the right line.  A UTF-8 BOM is ignored.
+  1-based line number in the file, so error messages point at the right line.  A UTF-8 BOM is ignored; a file
+  with a UTF-16 / UTF-32 BOM (or UTF-16 without one, recognised by its NUL bytes) is decoded as such.
+* A ``.json`` array with a syntax error keeps every element that parses: the broken stretch up to the next
+  element becomes one ``malformed_json`` row.
+* A file that breaks while being read (a truncated ``.gz``, a corrupt parquet page) yields one
+  ``unreadable_file`` row for what could not be read (for parquet: one per unread row, since the footer gives the
+  count), so the accounting still adds up and the reason is in ``rejected.jsonl``.
 * Parquet and HF rows are numbered from 1 in file order (``line`` = row number).
 * Parquet footers and HF datasets are opened by :func:`resolve_inputs` before any row is read, so a corrupt or
   missing file fails the run up front instead of halfway.
@@ -22,17 +32,40 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from raycurate.data.schema import MALFORMED_JSON, NON_UTF8, WRONG_TYPE
+from raycurate.data.schema import MALFORMED_JSON, NON_UTF8, UNREADABLE_FILE, WRONG_TYPE
+from raycurate.errors import InputError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+COMPRESSION_SUFFIXES = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
 PARQUET_SUFFIXES = (".parquet",)
 HF_MARKERS = ("dataset_info.json", "state.json")
 HF_DICT_MARKER = "dataset_dict.json"
-SUPPORTED = "JSON lines (.jsonl/.ndjson/.json), parquet (.parquet), HF save_to_disk folders, folders and globs of those"
+SUPPORTED = ("JSON lines (.jsonl/.ndjson/.json, also .gz/.bz2/.xz/.zst compressed), parquet (.parquet), "
+             "HF save_to_disk folders, folders and globs of those")
 _BATCH_ROWS = 4096
+_CHUNK_BYTES = 1 << 20
+_WHOLE_JSON_LIMIT = 256 << 20  # a .json object file larger than this is read as JSON lines
+
+
+class InputNotFound(InputError, FileNotFoundError):
+    """An input path, glob or folder that yields no file to read."""
+
+
+@dataclass
+class InputPlan:
+    """What :func:`plan_inputs` found: the inputs to read, and every file under a folder / glob it will not read.
+
+    Attributes:
+        inputs: Readable inputs in read order.
+        unread: ``{"path", "reason"}`` per skipped file or folder, in discovery order.
+    """
+
+    inputs: list[InputFile] = field(default_factory=list)
+    unread: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -48,6 +81,7 @@ class InputFile:
     path: str
     format: str
     subset: str | None = None
+    compression: str | None = None
 
     @property
     def source(self) -> str:
@@ -89,26 +123,54 @@ def _is_hf_folder(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, name)) for name in (*HF_MARKERS, HF_DICT_MARKER))
 
 
-def _file_format(path: str) -> str:
+def _split_compression(path: str) -> tuple[str, str | None]:
     lower = path.lower()
-    if lower.endswith(JSONL_SUFFIXES):
-        return "jsonl"
-    if lower.endswith(PARQUET_SUFFIXES):
-        return "parquet"
-    raise ValueError(f"{path}: unsupported input format; supported: {SUPPORTED}")
+    for suffix, codec in COMPRESSION_SUFFIXES.items():
+        if lower.endswith(suffix):
+            return lower[: -len(suffix)], codec
+    return lower, None
 
 
-def _expand_folder(path: str) -> list[str]:
+def file_format(path: str) -> tuple[str, str | None] | None:
+    """``(format, compression)`` of a file path, or ``None`` when the suffix is not a supported one."""
+    base, codec = _split_compression(path)
+    if base.endswith(JSONL_SUFFIXES):
+        return "jsonl", codec
+    if base.endswith(PARQUET_SUFFIXES) and codec is None:
+        return "parquet", None
+    return None
+
+
+def _unsupported_reason(path: str, listed: bool = False) -> str:
+    name = os.path.basename(path)
+    suffix = "".join(re.findall(r"\.[^.]+", name)[-2:]) or "no suffix"
+    return f"unsupported format ({suffix})" + ("" if listed else f"; supported: {SUPPORTED}")
+
+
+def _expand_folder(path: str, plan: InputPlan) -> list[str]:
+    """Supported files under ``path`` (sorted); every other file / skipped folder is added to ``plan.unread``."""
     found = []
     for root, dirs, files in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found.extend(
-            os.path.join(root, f)
-            for f in files
-            if not f.startswith(".") and f.lower().endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)
-        )
-    if not found:
-        raise FileNotFoundError(f"{path}: folder has no input files; expected {SUPPORTED}")
+        kept = []
+        for d in sorted(dirs):
+            full = os.path.join(root, d)
+            if d.startswith("."):
+                plan.unread.append({"path": full, "reason": "hidden folder (name starts with '.'), not searched"})
+            elif os.path.islink(full):
+                plan.unread.append({"path": full, "reason": "symlinked folder, not followed (pass it directly)"})
+            else:
+                kept.append(d)
+        dirs[:] = kept
+        for f in sorted(files):
+            full = os.path.join(root, f)
+            if f.startswith("."):
+                plan.unread.append({"path": full, "reason": "hidden file (name starts with '.')"})
+            elif not os.path.exists(full):
+                plan.unread.append({"path": full, "reason": "broken or looping symlink"})
+            elif file_format(full) is None:
+                plan.unread.append({"path": full, "reason": _unsupported_reason(full, listed=True)})
+            else:
+                found.append(full)
     return sorted(found)
 
 
@@ -119,10 +181,14 @@ def _hf_inputs(path: str) -> list[InputFile]:
         loaded = datasets.load_from_disk(path)
     except Exception as exc:  # noqa: BLE001 - datasets raises many types; re-raise one clear error
         fix = "save it with Dataset.save_to_disk"
-        raise ValueError(f"{path}: could not open HF dataset folder ({exc}); {fix}") from exc
+        raise InputError(f"{path}: could not open HF dataset folder ({_one_line(exc)}); {fix}") from None
     if isinstance(loaded, datasets.DatasetDict):
         return [InputFile(path, "hf", name) for name in sorted(loaded)]
     return [InputFile(path, "hf")]
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
 
 
 def _check_parquet(path: str) -> None:
@@ -132,46 +198,92 @@ def _check_parquet(path: str) -> None:
         pq.ParquetFile(path).close()
     except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid/OSError; re-raise one clear error
         fix = "re-export it or remove it from the inputs"
-        raise ValueError(f"{path}: not a readable parquet file ({exc}); {fix}") from exc
+        raise InputError(f"{path}: not a readable parquet file ({_one_line(exc)}); {fix}") from None
 
 
-def resolve_inputs(paths: str | list[str]) -> list[InputFile]:
+def _check_readable(path: str) -> None:
+    try:
+        with open(path, "rb") as fh:
+            fh.read(1)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot be read ({exc.strerror or exc}); check its permissions") from None
+
+
+def _add_file(path: str, plan: InputPlan, *, given: bool) -> None:
+    fmt = file_format(path)
+    if fmt is None:
+        if given:
+            raise InputError(f"{path}: {_unsupported_reason(path)}; convert it to JSON lines or parquet")
+        plan.unread.append({"path": path, "reason": _unsupported_reason(path, listed=True)})
+        return
+    _check_readable(path)
+    if fmt[0] == "parquet":
+        _check_parquet(path)
+    plan.inputs.append(InputFile(path, fmt[0], compression=fmt[1]))
+
+
+def _add_path(path: str, plan: InputPlan, *, given: bool) -> None:
+    if not isinstance(path, str) or not path.strip():
+        raise InputError(f"input path {path!r} is empty; pass a jsonl/parquet file, folder, glob or HF dataset folder")
+    if _is_glob(path) and not os.path.exists(path):
+        matches = sorted(glob.glob(path, recursive=True))
+        if not matches:
+            raise InputNotFound(f"{path}: glob matched no files; expected {SUPPORTED}")
+        before = len(plan.inputs)
+        for match in matches:
+            _add_path(match, plan, given=False)
+        if len(plan.inputs) == before:
+            reasons = "; ".join(f"{u['path']}: {u['reason']}" for u in plan.unread[-3:])
+            raise InputNotFound(f"{path}: glob matched {len(matches)} path(s) but no readable input ({reasons})")
+    elif os.path.isdir(path):
+        if _is_hf_folder(path):
+            plan.inputs.extend(_hf_inputs(path))
+            return
+        before = len(plan.unread)
+        files = _expand_folder(path, plan)
+        if not files:
+            skipped = plan.unread[before:]
+            listed = "; ".join(f"{os.path.relpath(u['path'], path)}: {u['reason']}" for u in skipped[:3])
+            more = f" (+{len(skipped) - 3} more)" if len(skipped) > 3 else ""
+            found = f"; found only {len(skipped)} unreadable: {listed}{more}" if skipped else ""
+            raise InputNotFound(f"{path}: folder has no input files{found}; expected {SUPPORTED}")
+        for f in files:
+            _add_file(f, plan, given=False)
+    elif os.path.isfile(path):
+        _add_file(path, plan, given=given)
+    elif os.path.islink(path):
+        raise InputNotFound(f"{path}: broken or looping symlink; point it at a jsonl/parquet file or folder")
+    else:
+        raise InputNotFound(f"{path}: no such file or folder; expected {SUPPORTED}")
+
+
+def plan_inputs(paths: str | list[str]) -> InputPlan:
     """Expand paths, folders and globs into readable inputs, opening columnar files to fail early.
 
     Args:
         paths: One path or a list of paths, folders, HF dataset folders or glob patterns.
 
     Returns:
-        Inputs in a deterministic order: the given order, with each folder/glob expanded sorted.
+        :class:`InputPlan`: the inputs in a deterministic order (the given order, each folder / glob expanded
+        sorted) and every file under a folder / glob that will not be read, with the reason.
 
     Raises:
-        FileNotFoundError: A path does not exist, a glob matches nothing, or a folder holds no input files.
-        ValueError: Unsupported format or an unreadable parquet / HF dataset.
+        InputNotFound: A path does not exist, a glob matches nothing readable, or a folder holds no input files.
+        InputError: A file given directly has an unsupported format or is an unreadable parquet / HF dataset.
     """
     if isinstance(paths, str):
         paths = [paths]
     if not paths:
-        raise ValueError("no input paths given; pass at least one jsonl/parquet file, folder or HF dataset folder")
-    inputs: list[InputFile] = []
+        raise InputError("no input paths given; pass at least one jsonl/parquet file, folder or HF dataset folder")
+    plan = InputPlan()
     for path in paths:
-        if _is_glob(path) and not os.path.exists(path):
-            matches = sorted(glob.glob(path, recursive=True))
-            if not matches:
-                raise FileNotFoundError(f"{path}: glob matched no files; expected {SUPPORTED}")
-            inputs.extend(resolve_inputs(matches))
-        elif os.path.isdir(path):
-            if _is_hf_folder(path):
-                inputs.extend(_hf_inputs(path))
-            else:
-                inputs.extend(resolve_inputs(_expand_folder(path)))
-        elif os.path.isfile(path):
-            fmt = _file_format(path)
-            if fmt == "parquet":
-                _check_parquet(path)
-            inputs.append(InputFile(path, fmt))
-        else:
-            raise FileNotFoundError(f"{path}: no such file or folder; expected {SUPPORTED}")
-    return inputs
+        _add_path(os.fspath(path) if isinstance(path, os.PathLike) else path, plan, given=True)
+    return plan
+
+
+def resolve_inputs(paths: str | list[str]) -> list[InputFile]:
+    """The readable inputs of :func:`plan_inputs` (files it skips under folders / globs are not returned)."""
+    return plan_inputs(paths).inputs
 
 
 def _parse_json_line(source: str, line: int, text: str) -> RawRow:
@@ -186,24 +298,120 @@ def _parse_json_line(source: str, line: int, text: str) -> RawRow:
     return RawRow(source, line, value, None, text)
 
 
-def _first_byte(path: str) -> bytes:
-    with open(path, "rb") as fh:
-        head = fh.read(4096).lstrip(b"\xef\xbb\xbf").lstrip()
-    return head[:1]
+def _open_binary(inp: InputFile) -> Any:
+    """A binary file object over the decompressed bytes of ``inp``."""
+    if inp.compression == "gzip":
+        import gzip
+
+        return gzip.open(inp.path, "rb")
+    if inp.compression == "bz2":
+        import bz2
+
+        return bz2.open(inp.path, "rb")
+    if inp.compression == "xz":
+        import lzma
+
+        return lzma.open(inp.path, "rb")
+    if inp.compression == "zstd":
+        import pyarrow as pa
+
+        return pa.input_stream(inp.path, compression="zstd")
+    return open(inp.path, "rb")
 
 
-def _iter_json_array(inp: InputFile) -> Iterator[RawRow]:
+def _iter_byte_lines(fh: Any) -> Iterator[bytes]:
+    """Lines (with their ``\\n``) of a binary stream that may only support ``read(n)``."""
+    rest = b""
+    read = getattr(fh, "read1", fh.read)  # read1: what is decodable now, so a truncated stream keeps its prefix
+    while True:
+        chunk = read(_CHUNK_BYTES)
+        if not chunk:
+            break
+        parts = (rest + chunk).split(b"\n")
+        rest = parts.pop()
+        for part in parts:
+            yield part + b"\n"
+    if rest:
+        yield rest
+
+
+def _sniff(inp: InputFile) -> bytes:
+    """The first decompressed bytes (empty when even they cannot be read: the line reader reports that)."""
     try:
-        with open(inp.path, encoding="utf-8-sig") as fh:
-            values = json.load(fh)
-    except UnicodeDecodeError as exc:
-        yield RawRow(inp.source, 1, None, (NON_UTF8, None, f"file is not valid UTF-8 ({exc.reason})"), "")
-        return
-    except json.JSONDecodeError as exc:
-        detail = f"invalid JSON array: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        yield RawRow(inp.source, exc.lineno, None, (MALFORMED_JSON, None, detail), "")
-        return
-    for index, value in enumerate(values, start=1):
+        with _open_binary(inp) as fh:
+            return fh.read(4096)
+    except (OSError, EOFError, ValueError):
+        return b""
+
+
+_UTF32_BOMS = {b"\xff\xfe\x00\x00": "utf-32-le", b"\x00\x00\xfe\xff": "utf-32-be"}
+_UTF16_BOMS = {b"\xff\xfe": "utf-16-le", b"\xfe\xff": "utf-16-be"}
+
+
+def wide_encoding(head: bytes) -> tuple[str, int] | None:
+    """``(encoding, BOM length)`` for UTF-16 / UTF-32 text (by BOM, or by NUL bytes for BOM-less UTF-16)."""
+    for bom, enc in _UTF32_BOMS.items():
+        if head.startswith(bom):
+            return enc, 4
+    for bom, enc in _UTF16_BOMS.items():
+        if head.startswith(bom):
+            return enc, 2
+    sample = head[:512]
+    if len(sample) >= 8 and sample.count(0) * 3 >= len(sample):
+        even_nul = sample[0::2].count(0)
+        odd_nul = sample[1::2].count(0)
+        if odd_nul > 3 * even_nul:
+            return "utf-16-le", 0
+        if even_nul > 3 * odd_nul:
+            return "utf-16-be", 0
+    return None
+
+
+def _first_byte(head: bytes) -> bytes:
+    return head.lstrip(b"\xef\xbb\xbf").lstrip()[:1]
+
+
+def _next_element(text: str, pos: int, column: int | None) -> int | None:
+    """Start of the next array element after a parse failure at ``pos`` (``,`` then ``{``), or None.
+
+    With a multi-line array only a ``{`` in the same column as the first element counts, so a nested object
+    inside the broken element is not mistaken for the next element.
+    """
+    for match in re.finditer(r",\s*\{", text[pos:]):
+        start = pos + match.end() - 1
+        if column is None or start - (text.rfind("\n", 0, start) + 1) == column:
+            return start
+    return None
+
+
+def _iter_json_array(inp: InputFile, text: str) -> Iterator[RawRow]:
+    """Elements of a JSON array text; a syntax error costs only the broken stretch (one ``malformed_json`` row)."""
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    index = 0
+    column: int | None = None
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        index += 1
+        if column is None and "\n" in text[:pos]:
+            column = pos - (text.rfind("\n", 0, pos) + 1)
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            line = text.count("\n", 0, pos) + 1
+            where = f"element {index} (line {line})"
+            detail = f"invalid JSON array {where}: {getattr(exc, 'msg', exc)}"
+            resume = _next_element(text, pos, column)
+            raw = text[pos:resume] if resume is not None else text[pos:].rstrip().removesuffix("]")
+            yield RawRow(inp.source, index, None, (MALFORMED_JSON, None, detail), raw.strip().rstrip(","))
+            if resume is None:
+                break
+            pos = resume
+            continue
+        pos = end
         if isinstance(value, dict):
             yield RawRow(inp.source, index, value, None)
         else:
@@ -211,24 +419,78 @@ def _iter_json_array(inp: InputFile) -> Iterator[RawRow]:
             yield RawRow(inp.source, index, None, (WRONG_TYPE, None, detail), json.dumps(value, default=str))
 
 
-def _iter_jsonl(inp: InputFile) -> Iterator[RawRow]:
-    if inp.path.lower().endswith(".json") and _first_byte(inp.path) == b"[":
-        yield from _iter_json_array(inp)
+def _read_text(inp: InputFile, encoding: str) -> str:
+    with _open_binary(inp) as fh:
+        return fh.read().decode(encoding)
+
+
+def _whole_json(inp: InputFile, head: bytes) -> Iterator[RawRow] | None:
+    """Rows of a ``.json`` file that is one array or one object, or None when it should be read as JSON lines."""
+    base, _ = _split_compression(inp.path)
+    first = _first_byte(head)
+    if not base.endswith(".json") or first not in (b"[", b"{"):
+        return None
+    if first == b"{" and os.path.getsize(inp.path) > _WHOLE_JSON_LIMIT:
+        return None
+    try:
+        text = _read_text(inp, "utf-8-sig")
+    except UnicodeDecodeError as exc:
+        return iter([RawRow(inp.source, 1, None, (NON_UTF8, None, f"file is not valid UTF-8 ({exc.reason})"), "")])
+    if first == b"[":
+        return _iter_json_array(inp, text)
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None  # not one object: JSON lines
+    return iter([RawRow(inp.source, 1, value, None)])
+
+
+def _iter_wide(inp: InputFile, encoding: str, bom: int) -> Iterator[RawRow]:
+    """JSON lines in UTF-16 / UTF-32: decoded whole, then numbered by physical line."""
+    with _open_binary(inp) as fh:
+        data = fh.read()[bom:]
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        detail = f"file looks like {encoding.upper()} but does not decode ({exc.reason} at byte {exc.start})"
+        yield RawRow(inp.source, 1, None, (NON_UTF8, None, f"{detail}; re-save it as UTF-8"), "")
         return
-    with open(inp.path, "rb") as fh:
-        for line_no, data in enumerate(fh, start=1):
-            if line_no == 1:
-                data = data.removeprefix(b"\xef\xbb\xbf")
-            if not data.strip():
-                continue
-            try:
-                text = data.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as exc:
-                raw = data.decode("utf-8", errors="replace").rstrip("\r\n")
-                detail = f"invalid UTF-8 byte at offset {exc.start}"
-                yield RawRow(inp.source, line_no, None, (NON_UTF8, None, detail), raw)
-                continue
-            yield _parse_json_line(inp.source, line_no, text)
+    for line_no, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            yield _parse_json_line(inp.source, line_no, line.rstrip("\r"))
+
+
+def _iter_jsonl(inp: InputFile) -> Iterator[RawRow]:
+    head = _sniff(inp)
+    wide = wide_encoding(head)
+    if wide is not None:
+        yield from _iter_wide(inp, *wide)
+        return
+    whole = _whole_json(inp, head)
+    if whole is not None:
+        yield from whole
+        return
+    line_no = 0
+    try:
+        with _open_binary(inp) as fh:
+            for data in _iter_byte_lines(fh):
+                line_no += 1
+                if line_no == 1:
+                    data = data.removeprefix(b"\xef\xbb\xbf")
+                if not data.strip():
+                    continue
+                try:
+                    text = data.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError as exc:
+                    raw = data.decode("utf-8", errors="replace").rstrip("\r\n")
+                    detail = f"invalid UTF-8 byte at offset {exc.start}"
+                    yield RawRow(inp.source, line_no, None, (NON_UTF8, None, detail), raw)
+                    continue
+                yield _parse_json_line(inp.source, line_no, text)
+    except (OSError, EOFError, ValueError) as exc:  # truncated / corrupt compressed stream
+        detail = (f"file could not be read past line {line_no} ({_one_line(exc)}); the rest of the file is lost: "
+                  "re-create or re-download it")
+        yield RawRow(inp.source, line_no + 1, None, (UNREADABLE_FILE, None, detail), "")
 
 
 def _iter_parquet(inp: InputFile) -> Iterator[RawRow]:
@@ -236,10 +498,16 @@ def _iter_parquet(inp: InputFile) -> Iterator[RawRow]:
 
     line = 0
     with pq.ParquetFile(inp.path) as pf:
-        for batch in pf.iter_batches(batch_size=_BATCH_ROWS):
-            for record in batch.to_pylist():
-                line += 1
-                yield RawRow(inp.source, line, record, None)
+        total = pf.metadata.num_rows
+        try:
+            for batch in pf.iter_batches(batch_size=_BATCH_ROWS):
+                for record in batch.to_pylist():
+                    line += 1
+                    yield RawRow(inp.source, line, record, None)
+        except (OSError, ValueError) as exc:  # ArrowInvalid / ArrowIOError: a corrupt page
+            detail = f"parquet data could not be read after row {line} ({_one_line(exc)}); re-export the file"
+            for lost in range(line + 1, max(total, line + 1) + 1):
+                yield RawRow(inp.source, lost, None, (UNREADABLE_FILE, None, detail), "")
 
 
 def _iter_hf(inp: InputFile) -> Iterator[RawRow]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from raycurate.errors import UserError
+
 REQUIRED_FIELDS: tuple[str, ...] = ("prompt", "response")
 DOMAINS: tuple[str, ...] = ("math", "code", "instruction")
 RESERVED_COLUMNS: tuple[str, ...] = ("split", "source", "line")
@@ -24,6 +26,7 @@ EMPTY_FIELD = "empty_field"
 DUPLICATE_ID = "duplicate_id"
 UNKNOWN_DOMAIN = "unknown_domain"
 OVER_LENGTH = "over_length"
+UNREADABLE_FILE = "unreadable_file"  # the part of a file that broke while being read (truncated .gz, bad page)
 REASONS: tuple[str, ...] = (
     MALFORMED_JSON,
     NON_UTF8,
@@ -33,6 +36,7 @@ REASONS: tuple[str, ...] = (
     DUPLICATE_ID,
     UNKNOWN_DOMAIN,
     OVER_LENGTH,
+    UNREADABLE_FILE,
 )
 # File-level condition (no rows): an error in strict mode, a warning otherwise.
 EMPTY_FILE = "empty_file"
@@ -40,7 +44,7 @@ EMPTY_FILE = "empty_file"
 MAX_RAW_CHARS = 2000
 
 
-class DataValidationError(ValueError):
+class DataValidationError(UserError, ValueError):
     """A bad input row (or empty file) in strict mode, located by file, line and field.
 
     Attributes:

@@ -2,7 +2,11 @@
 
 Decisions:
 
-* Nothing here reaches a hub: every ``from_pretrained`` call passes ``local_files_only=True``.
+* Nothing here reaches a hub: every ``from_pretrained`` call passes ``local_files_only=True`` and
+  ``trust_remote_code=False``.
+* :func:`check_model_source` says, before any stage runs, whether a model path can work (a tiny preset, or a
+  folder with ``config.json``, weights and tokenizer files), so a wrong ``--model`` is one clear error instead of
+  a tokenizer traceback several stages later.
 * With transformers 5, ``output_attentions=True`` under ``sdpa`` silently returns an empty ``attentions`` tuple.
   :func:`enable_attention_outputs` switches the model to an attention implementation that materialises weights:
   plain ``"eager"`` for all layers, or, for a subset of layers, a registered implementation
@@ -14,10 +18,13 @@ Decisions:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from raycurate.errors import UserError
 from raycurate.models.tiny import TINY_PRESETS, build_tiny_model, is_preset
 
 if TYPE_CHECKING:
@@ -88,6 +95,49 @@ def load_model(
         trust_remote_code=False,
     )
     return model.to(device).eval()
+
+
+class ModelSourceError(UserError, FileNotFoundError):
+    """A model path that is neither a tiny preset nor a usable local Hugging Face checkpoint folder."""
+
+
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_source(name: str, key: str = "model.name_or_path") -> None:
+    """Raise :class:`ModelSourceError` unless ``name`` is a tiny preset or a checkpoint folder with
+    ``config.json`` (valid JSON), weights and tokenizer files.
+
+    Args:
+        name: The configured model (preset name or folder path).
+        key: The config key it came from (named in the error).
+    """
+    if is_preset(name):
+        return
+    path = Path(name)
+    if not path.is_dir():
+        raise ModelSourceError(
+            f"{key}={name!r} is neither a tiny preset ({', '.join(TINY_PRESETS)}) nor a local checkpoint folder; "
+            "download the checkpoint first (this machine never reaches the hub) and pass its folder")
+    missing = []
+    config = path / "config.json"
+    if not config.is_file():
+        missing.append("config.json")
+    else:
+        try:
+            json.loads(config.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as exc:
+            missing.append(f"a readable config.json ({type(exc).__name__})")
+    if not any(next(path.glob(pattern), None) for pattern in _WEIGHT_GLOBS):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        missing.append(f"tokenizer files (one of {', '.join(_TOKENIZER_FILES)})")
+    if missing:
+        raise ModelSourceError(
+            f"{key}={name!r} is not a Hugging Face checkpoint folder: it has no {'; no '.join(missing)}; pass the "
+            "folder written by model.save_pretrained + tokenizer.save_pretrained, or a tiny preset "
+            f"({', '.join(TINY_PRESETS)})")
 
 
 def best_device() -> str:

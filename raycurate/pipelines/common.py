@@ -2,22 +2,49 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
+from raycurate import storage
 from raycurate.config.loader import dump_yaml
 from raycurate.rundir import RunDir, atomic_write_text, open_run_dir
 
 log = logging.getLogger("raycurate")
 
 
+def check_job_inputs(cfg: Any) -> None:
+    """Fail before any stage runs (and before Ray starts) on inputs that cannot work: data paths that do not
+    resolve to readable files, a model folder that is not a checkpoint.
+
+    Raises:
+        raycurate.errors.UserError: naming the config key / file and what to do.
+    """
+    from raycurate.data.readers import plan_inputs
+    from raycurate.models.loading import check_model_source
+
+    if cfg.data.input_paths():
+        plan_inputs(cfg.data.input_paths())
+    if cfg.data.validation_input:
+        plan_inputs([cfg.data.validation_input])
+    check_model_source(cfg.model.name_or_path)
+    if cfg.runs("p2d") and cfg.p2d.task_model:
+        check_model_source(cfg.p2d.task_model, key="p2d.task_model")
+
+
+def saved_config(cfg: Any) -> Any:
+    """``cfg`` as written to ``config.yaml``: the storage URI without credentials or query secrets."""
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, runs_dir=storage.redact(cfg.run.runs_dir)))
+
+
 def open_run(cfg: Any) -> RunDir:
-    """Create ``<runs_dir>/<name>`` (for a storage URI: its local mirror, pulled from the URI), save the resolved
-    config and start Ray."""
+    """Check the job's inputs, create ``<runs_dir>/<name>`` (for a storage URI: its local mirror, pulled from the
+    URI) holding its writer lock, save the resolved config (credentials redacted) and start Ray."""
     from raycurate.stages.runtime import init_ray
 
+    check_job_inputs(cfg)
     run = open_run_dir(cfg.run.runs_dir, cfg.run.name, cfg.run.local_dir)
-    atomic_write_text(run.root / "config.yaml", dump_yaml(cfg))
+    atomic_write_text(run.root / "config.yaml", dump_yaml(saved_config(cfg)))
     init_ray(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, temp_dir=cfg.ray.temp_dir,
              object_store_memory=cfg.ray.object_store_memory, spill_dir=cfg.ray.spill_dir)
     run.update_manifest(config_file="config.yaml", pipeline=cfg.pipeline)
@@ -31,7 +58,7 @@ def forced(cfg: Any, stage: str) -> bool:
 
 
 def prepare_data(run: RunDir, cfg: Any) -> dict:
-    """corpus (embedded default only) -> base_model -> ingest -> tokenize; record row accounting.
+    """corpus (embedded default only) -> ingest -> base_model -> tokenize; record row accounting.
 
     Returns:
         Stage records by name.
@@ -51,6 +78,9 @@ def prepare_data(run: RunDir, cfg: Any) -> dict:
         )
         inputs = [str(run.root / records["corpus"]["outputs"]["corpus"])]
         upstream = ["corpus"]
+    # ingest first: data that is all rejected fails before a base model is pre-trained
+    records["ingest"] = ingest_stage(run, inputs, cfg.data, upstream=upstream, progress=cfg.run.progress,
+                                     force=forced(cfg, "ingest"))
     model = cfg.model
     records["base_model"] = base_model_stage(
         run, model,
@@ -58,8 +88,6 @@ def prepare_data(run: RunDir, cfg: Any) -> dict:
         data_key=f"embedded-pretrain-v1-{model.pretrain_rows}-{model.pretrain_seed}",
         force=forced(cfg, "base_model"),
     )
-    records["ingest"] = ingest_stage(run, inputs, cfg.data, upstream=upstream, progress=cfg.run.progress,
-                                     force=forced(cfg, "ingest"))
     records["tokenize"] = tokenize_stage(run, accepted_stage="ingest", tokenizer_stage="base_model",
                                          max_length=cfg.data.max_length, pool_cfg=cfg.tokenize,
                                          force=forced(cfg, "tokenize"))

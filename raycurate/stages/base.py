@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from raycurate.config.loader import config_hash
-from raycurate.rundir import RunDir, atomic_dir
+from raycurate.rundir import RunDir, atomic_dir, check_stage_name
 
 log = logging.getLogger("raycurate")
 
@@ -53,7 +53,7 @@ def stage_hash(run: RunDir, config: Any, upstream: Iterable[str]) -> str:
 
 def scratch_dir(run: RunDir, stage: str) -> Path:
     """A persistent per-stage folder for state that must survive a crash (e.g. training checkpoints)."""
-    path = run.root / "_scratch" / stage
+    path = run.path_of(f"_scratch/{check_stage_name(stage)}")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -136,4 +136,4 @@ def output_path(run: RunDir, record_or_stage: dict | str, name: str) -> Path:
     record = run.stage_record(record_or_stage) if isinstance(record_or_stage, str) else record_or_stage
     if record is None or name not in record.get("outputs", {}):
         raise KeyError(f"no output '{name}' recorded for stage {record_or_stage!r} in {run.manifest_path}")
-    return run.root / record["outputs"][name]
+    return run.path_of(record["outputs"][name])  # checked: a tampered manifest cannot point outside the run

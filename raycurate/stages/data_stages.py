@@ -57,13 +57,44 @@ def ingest_stage(run: RunDir, inputs: list[str], data_cfg: Any, *, upstream: lis
             rejected.rename(out / "rejected.jsonl")
         else:
             (out / "rejected.jsonl").write_text("")
+        # record where the files end up (the run-relative final paths), not the temp folder they were written in
+        info["accepted_files"] = [f"ingest/accepted/{Path(p).name}" for p in info["accepted_files"]]
+        info["rejected_file"] = "ingest/rejected.jsonl"
         return StageOutput(outputs={"accepted": "accepted", "rejected": "rejected.jsonl"}, metrics=info)
 
+    from raycurate.data.readers import plan_inputs
+
     validation = [data_cfg.validation_input] if data_cfg.validation_input else []
+    # every file a folder / glob expands to (and every file it skips), so an added or edited file re-runs ingest
+    found = [plan_inputs(paths) for paths in (inputs, validation) if paths]
     config = {"inputs": [_file_fingerprint(p, run) for p in inputs],
+              "files": [_file_fingerprint(inp.path, run) for plan in found for inp in plan.inputs],
+              "unread": [item["path"] for plan in found for item in plan.unread],
               "validation_inputs": [_file_fingerprint(p, run) for p in validation], "strict": data_cfg.strict,
               "split_seed": data_cfg.split_seed, "split_ratios": data_cfg.split_ratios}
-    return run_stage(run, "ingest", body, config=config, upstream=upstream, force=force)
+    record = run_stage(run, "ingest", body, config=config, upstream=upstream, force=force)
+    check_rows_accepted(run, record, "ingest")
+    return record
+
+
+def check_rows_accepted(run: RunDir, record: dict, stage: str) -> None:
+    """An ingest or tokenize stage that accepted no row is an error naming where the reasons are.
+
+    Raises:
+        InputError: ``record`` accepted 0 rows.
+    """
+    from raycurate.errors import InputError
+
+    metrics = record["metrics"]
+    rows = metrics.get("rows") or {"accepted": metrics.get("accepted", 0),
+                                   "rejected": metrics.get("rejected", 0)}
+    if rows.get("accepted", 0):
+        return
+    by_reason = metrics.get("rejected_by_reason") or {}
+    reasons = ", ".join(f"{k}: {v}" for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1])) or "none"
+    where = run.root / record["outputs"]["rejected"]
+    raise InputError(f"{stage} accepted 0 of {rows.get('rejected', 0)} rows (rejected by reason: {reasons}); see "
+                     f"{where} for each row's reason, fix the data and re-run")
 
 
 def _file_fingerprint(path: str, run: RunDir | None = None) -> dict:
@@ -187,6 +218,7 @@ def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, ma
         ds = map_with_actor_pool(ds, TokenizeUDF, {"tokenizer_dir": str(tokenizer_dir), "max_length": max_length},
                                  pool)
         ds.write_parquet(str(out / "_all"))
+        (out / "_all").mkdir(exist_ok=True)  # Ray writes no folder when every row was dropped
         counts = split_tokenized(out / "_all", out / "tokens", out / "rejected.jsonl")
         for path in (out / "_all").iterdir():
             path.unlink()
@@ -194,7 +226,9 @@ def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, ma
         return StageOutput(outputs={"tokens": "tokens", "rejected": "rejected.jsonl"}, metrics=counts)
 
     config = {"max_length": max_length}
-    return run_stage(run, "tokenize", body, config=config, upstream=[accepted_stage, tokenizer_stage], force=force)
+    record = run_stage(run, "tokenize", body, config=config, upstream=[accepted_stage, tokenizer_stage], force=force)
+    check_rows_accepted(run, record, "tokenize")
+    return record
 
 
 def filter_tokens_stage(run: RunDir, stage: str, *, tokens_stage: str, description: str,

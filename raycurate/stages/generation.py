@@ -118,7 +118,8 @@ def stop_and_pad_ids(model_dir: str, config: Any = None) -> tuple[list[int], int
     """Stop tokens (generation config EOS list, else the model config's EOS) and the pad id of a checkpoint."""
     from transformers import AutoConfig, GenerationConfig
 
-    config = config if config is not None else AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if config is None:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     try:
         generation = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
     except OSError:  # no generation_config.json
@@ -186,7 +187,8 @@ class HFGenerationActor:
             if kind == "adapter":
                 from peft import PeftModel
 
-                self._peft = PeftModel.from_pretrained(self._base, adapter_dir, is_trainable=False)
+                self._peft = PeftModel.from_pretrained(self._base, adapter_dir, is_trainable=False,
+                                                       local_files_only=True)
                 self._policy = self._peft.to(self.device).eval()
             else:
                 from raycurate.models.loading import load_model

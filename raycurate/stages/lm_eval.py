@@ -29,11 +29,12 @@ import logging
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
 from raycurate.rundir import RunDir
-from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir
+from raycurate.stages.base import StageOutput, output_path, run_stage
 
 log = logging.getLogger("raycurate")
 
@@ -141,6 +142,17 @@ def write_local_tasks(heldout_rows: list[dict], dest: Path, *, max_gen_toks: int
         _EXACT_MATCH_YAML.format(task=EXACT_MATCH_TASK, data_file=quoted, max_gen_toks=max_gen_toks))
     (dest / f"{GOLD_LOGLIK_TASK}.yaml").write_text(_GOLD_LOGLIK_YAML.format(task=GOLD_LOGLIK_TASK, data_file=quoted))
     return list(LOCAL_TASKS)
+
+
+def run_lm_eval_private(model_dir: str, tasks: list[str], heldout_rows: list[dict] | None, *, max_gen_toks: int,
+                        **kwargs: Any) -> dict:
+    """:func:`run_lm_eval` with the local held-out tasks written to a private temp folder (``mkdtemp``, mode
+    0700) that is removed afterwards, so the generated ``utils.py`` lm-eval imports cannot be replaced."""
+    if heldout_rows is None:
+        return run_lm_eval(model_dir, tasks, local_task_dir=None, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="raycurate-lm-eval-") as private:
+        write_local_tasks(heldout_rows, Path(private), max_gen_toks=max_gen_toks)
+        return run_lm_eval(model_dir, tasks, local_task_dir=private, **kwargs)
 
 
 def force_offline() -> None:
@@ -396,10 +408,12 @@ def lm_eval_stage(
 ) -> dict:
     """Run lm-eval on ``model_stage``'s checkpoint as one Ray task; writes ``lm_eval.json``.
 
-    The local held-out tasks are written under ``_scratch/<stage>/lm_eval_tasks`` from ``heldout_stage``'s
-    ``heldout`` output; their per-question records go to ``heldout_samples.jsonl`` (output ``samples``).  The
-    manifest metrics are the flat lm-eval metrics plus the BRIDGE aggregates (``general_avg``, ``target``,
-    ``overall_avg`` for ``domain``) when the named benchmarks allow them.
+    The local held-out tasks (YAML files and the ``utils.py`` lm-eval imports) are written from ``heldout_stage``'s
+    ``heldout`` output into a private temp folder on the machine that runs lm-eval (never the shared scratch,
+    where another user could swap the imported code); their per-question records go to
+    ``heldout_samples.jsonl`` (output ``samples``).  The manifest metrics are the flat lm-eval metrics plus the
+    BRIDGE aggregates (``general_avg``, ``target``, ``overall_avg`` for ``domain``) when the named benchmarks
+    allow them.
     """
     from raycurate.algorithms.eval_summary import DOMAINS, benchmark_scores, summarize_benchmarks
     from raycurate.stages.runtime import run_as_task
@@ -415,13 +429,11 @@ def lm_eval_stage(
     heldout = output_path(run, heldout_stage, "heldout") if local else None
 
     def body(out: Path) -> StageOutput:
-        local_dir = None
+        rows = None
         if heldout is not None:
             rows = [json.loads(line) for line in heldout.read_text().splitlines() if line.strip()]
-            local_dir = scratch_dir(run, stage) / "lm_eval_tasks"
-            write_local_tasks(rows, local_dir, max_gen_toks=max_gen_toks)
         samples = out / "heldout_samples.jsonl"
-        metrics = run_as_task(run_lm_eval, str(model_dir), tasks, local_task_dir=str(local_dir) if local_dir else None,
+        metrics = run_as_task(run_lm_eval_private, str(model_dir), tasks, rows, max_gen_toks=max_gen_toks,
                               num_fewshot=num_fewshot, limit=limit, batch_size=batch_size,
                               allow_code_execution=allow_code_execution, samples_path=str(samples))
         benchmarks = benchmark_scores(metrics)

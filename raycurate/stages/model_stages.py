@@ -23,6 +23,7 @@ def base_model_stage(run: RunDir, model_cfg: Any, *, pretrain_texts: Any, data_k
     The stage folder holds a ``model`` symlink to the checkpoint (so a deleted cache makes the stage stale)
     and ``base_model.json`` describing it.
     """
+    from raycurate.models.loading import check_model_source
     from raycurate.models.pretrain import ensure_base_model
     from raycurate.models.tiny import TINY_PRESETS
 
@@ -34,13 +35,9 @@ def base_model_stage(run: RunDir, model_cfg: Any, *, pretrain_texts: Any, data_k
                 seed=model_cfg.pretrain_seed, vocab_size=model_cfg.vocab_size,
                 chat_template=model_cfg.chat_template, data_key=data_key,
             )
-        elif Path(name).is_dir():
-            model_dir = name
         else:
-            raise FileNotFoundError(
-                f"model.name_or_path={name!r} is neither a tiny preset ({', '.join(TINY_PRESETS)}) nor a local "
-                "checkpoint folder; download the checkpoint first and pass its path"
-            )
+            check_model_source(name)
+            model_dir = name
         os.symlink(Path(model_dir).resolve(), out / "model", target_is_directory=True)
         info = {"model_dir": str(Path(model_dir).resolve()), "source": name}
         meta = Path(model_dir) / "pretrain_metadata.json"

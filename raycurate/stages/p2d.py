@@ -110,7 +110,7 @@ def score_heads_task(base_dir: str, proxy_dir: str, out_path: str, *, ratio: flo
 def _load_config(model_dir: str) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir)
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
 
 
 class _weights:

@@ -21,16 +21,17 @@ log = logging.getLogger("raycurate")
 class ActorPoolConfig:
     """How a Ray Data actor-pool stage is sized."""
 
-    num_actors: int = option(2, "Actors in the pool (one model copy each).")
+    num_actors: int = option(2, "Actors in the pool (one model copy each).", ge=1)
     cpus_per_actor: float | None = option(
-        None, "CPUs per actor; null sizes it from the cluster so read/write tasks always keep a CPU (no deadlock)."
+        None, "CPUs per actor; null sizes it from the cluster so read/write tasks always keep a CPU (no deadlock).",
+        gt=0
     )
     gpus_per_actor: float | None = option(
-        None, "GPUs per actor; null means 1 when the cluster has GPUs, else 0 (CPU actors)."
+        None, "GPUs per actor; null means 1 when the cluster has GPUs, else 0 (CPU actors).", ge=0
     )
-    batch_size: int = option(64, "Rows per batch handed to an actor.")
+    batch_size: int = option(64, "Rows per batch handed to an actor.", ge=1)
     shard_rows: int = option(1024, "Rows per resumable shard (stages on raycurate.stages.sharded: a killed job "
-                             "recomputes only unfinished shards).")
+                             "recomputes only unfinished shards).", ge=1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -282,7 +282,8 @@ def load_model(init_model: str, dtype: Any) -> Any:
     """Load a causal LM from a local HF checkpoint directory, ready for training (no KV cache)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(init_model, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(init_model, dtype=dtype, local_files_only=True,
+                                                 trust_remote_code=False)
     model.config.use_cache = False
     model.train()
     return model
@@ -525,12 +526,21 @@ def consolidate_zero_checkpoint(ckpt_dir: str, dtype: Any = None) -> dict[str, A
     return {k: v if dtype is None else v.to(dtype) for k, v in state.items()}
 
 
-def _universal_key(ckpt_dir: str) -> str:
-    """Same on every rank of a node even when each rank downloaded the checkpoint to its own folder."""
-    import hashlib
+def _node_private_dir(session: TrainSession) -> str:
+    """Collective: a fresh private folder (``mkdtemp``: unpredictable name, mode 0700, never an existing one) made
+    by local rank 0 of each node; every rank gets its own node's folder."""
+    import socket
 
-    with open(os.path.join(ckpt_dir, TRAINER_STATE_FILE), "rb") as f:
-        return hashlib.sha1(os.path.basename(os.path.normpath(ckpt_dir)).encode() + f.read()).hexdigest()[:16]
+    import torch.distributed as dist
+
+    mine = tempfile.mkdtemp(prefix="raycurate-universal-") if session.local_rank == 0 else None
+    if not dist.is_initialized():
+        assert mine is not None
+        return mine
+    host = socket.gethostname()
+    entries: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, (host, mine))
+    return next(path for node, path in entries if node == host and path is not None)
 
 
 def convert_to_universal(ckpt_dir: str, dest_parent: str) -> str:
@@ -569,7 +579,7 @@ def universal_checkpoint(ckpt_dir: str, session: TrainSession) -> Iterator[str]:
     """Collective: local rank 0 of each node converts ``ckpt_dir`` to a universal checkpoint; yields its folder."""
     import torch.distributed as dist
 
-    dest = os.path.join(tempfile.gettempdir(), f"raycurate-universal-{_universal_key(ckpt_dir)}")
+    dest = _node_private_dir(session)
     if session.local_rank == 0:
         logger.info("converting %s to a universal checkpoint in %s", ckpt_dir, dest)
         convert_to_universal(ckpt_dir, dest)
