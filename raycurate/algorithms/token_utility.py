@@ -42,7 +42,7 @@ from torch import nn
 from raycurate.algorithms.losses import example_losses, token_losses
 
 # Attention implementations whose SDPA calls become forward-AD capable under the MATH backend.
-_MATH_SDPA_COMPATIBLE = ("sdpa", "eager", "raycurate_selective_eager")
+_MATH_SDPA_COMPATIBLE = ("sdpa", "eager", "raycurate_selective_eager", "raycurate_key_scaled_eager")
 _BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
 
 
