@@ -143,3 +143,32 @@ def test_score_and_select_rows_with_the_knockout_proxy():
     assert batched[1]["prompt_keep"].tolist() == alone[0]["prompt_keep"].tolist()
     assert batched[0]["prompt_keep"].sum() == 1 + batched[0]["b_p"] == 3
     assert batched[0]["rounds_run"] >= 2
+
+
+def test_response_side_note_and_report_show_both_proxies_and_both_shifts(tmp_path):
+    import json
+
+    from raycurate.report.html import section_bridge
+    from raycurate.stages.bridge_diagnostics import response_side_note
+
+    def row(side, proxy, rho):
+        return {"side": side, "proxy": proxy, "spearman": rho, "top_b_overlap": 0.5, "jaccard": 0.3,
+                "normalized_regret": 0.1, "n_examples": 2}
+
+    table = [row("prompt", "attention", 0.01), row("prompt", "attention_x_a", 0.02),
+             row("prompt", "knockout_grad", 0.6), row("response", "attention", 0.05),
+             row("response", "attention_x_a", 0.93), row("response", "knockout_grad", 0.93)]
+    note = response_side_note(table)
+    assert (note["response_attention_x_a"], note["response_attention_alone"]) == (0.93, 0.05)
+    assert (note["prompt_routing"], note["prompt_knockout_grad"]) == (0.02, 0.6)
+    assert "0.93" in note["text"] and "Attention alone gives 0.05" in note["text"]
+    curve = {"retention": [1.0, 0.5], "prompt_shift": [0.0, 0.32], "response_shift": [0.0, 0.1]}
+    top = {"retention": [1.0, 0.5], "prompt_shift": [0.0, 0.05], "response_shift": [0.0, 0.01]}
+    (tmp_path / "bridge_diagnostics").mkdir()
+    (tmp_path / "bridge_diagnostics" / "fidelity.json").write_text(json.dumps(
+        {"examples": 2, "table": table, "response_side_note": note, "ranking_shift": curve,
+         "ranking_shift_top": top}))
+    html = section_bridge(tmp_path, {"stages": {"bridge_select": {"status": "done", "metrics": {}}}})
+    assert "knockout_grad" in html and "Attention alone gives 0.05" in html
+    assert "prompt shift (random nested)" in html and "prompt shift (Top-b)" in html
+    assert "0.320" in html and "0.050" in html
