@@ -154,7 +154,8 @@ def main() -> None:
     scoring = t_utility + best["routing"]  # what bridge_select computes per micro-batch before the selection
     q1, q3 = np.percentile(ratios, [25, 75])
     print(f"knock-out / routing per interleaved run: median {ratio_median:.2f}, IQR [{q1:.2f}, {q3:.2f}], range "
-          f"[{ratio_lo:.2f}, {ratio_hi:.2f}] over {len(ratios)} runs; best-of ratio {best['knockout'] / best['routing']:.2f}; "
+          f"[{ratio_lo:.2f}, {ratio_hi:.2f}] over {len(ratios)} runs; best-of ratio "
+          f"{best['knockout'] / best['routing']:.2f}; "
           f"scoring (utility + routing) grows by x{(scoring + best['knockout']) / scoring:.2f}")
     print(f"max |a_jvp - a_ref| = {max_abs_err:.3e} (max |a_ref| = {scale:.3e}, relative {max_abs_err / scale:.1e})")
     print(f"utility_over_forward={t_utility / t_forward:.3f} backward_over_utility={t_reference / t_utility:.1f} "
