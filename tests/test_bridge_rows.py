@@ -172,3 +172,15 @@ def test_response_side_note_and_report_show_both_proxies_and_both_shifts(tmp_pat
     assert "knockout_grad" in html and "Attention alone gives 0.05" in html
     assert "prompt shift (random nested)" in html and "prompt shift (Top-b)" in html
     assert "0.320" in html and "0.050" in html
+
+
+def test_prompt_proxy_config_option_reaches_the_selection_settings():
+    from raycurate.config.bridge import BridgeConfig
+    from raycurate.config.loader import ConfigError, from_dict
+    from raycurate.stages.bridge import selection_settings
+
+    cfg = from_dict(BridgeConfig, {"prompt_proxy": "knockout_grad"})
+    assert selection_settings(cfg).prompt_proxy == "knockout_grad"
+    assert selection_settings(from_dict(BridgeConfig, {})).prompt_proxy == "routing"  # the paper's default
+    with pytest.raises(ConfigError, match="prompt_proxy"):
+        from_dict(BridgeConfig, {"prompt_proxy": "loo"})
