@@ -178,6 +178,25 @@ def fidelity(model, direction, rows: list[dict]) -> dict:
             "shift_random": mean_ranking_shift(curves), "shift_top": mean_ranking_shift(top_curves)}
 
 
+def loss_removal_scores(model, ids: torch.Tensor, prompt_len: int, prompt_idx: np.ndarray) -> np.ndarray:
+    """Rise of the summed response loss when prompt token i is physically removed (no direction involved): does
+    the model read the relevant facts at all?"""
+    from raycurate.algorithms.fidelity import leave_one_out_rows
+    from raycurate.algorithms.losses import token_losses
+
+    def response_loss(rows: torch.Tensor, start: int) -> torch.Tensor:
+        mask = torch.zeros_like(rows)
+        mask[:, start:] = 1
+        with torch.no_grad():
+            logits = model(input_ids=rows, attention_mask=torch.ones_like(rows)).logits
+        return token_losses(logits, rows, mask).sum(dim=1)  # (k,)
+
+    full = float(response_loss(ids[None], prompt_len)[0])
+    out = [response_loss(leave_one_out_rows(ids, prompt_idx[i:i + 16]), prompt_len - 1) - full
+           for i in range(0, len(prompt_idx), 16)]
+    return torch.cat(out).double().numpy()
+
+
 def oracle_drops(model, direction, rows: list[dict]) -> dict:
     """Drop shares at rho_p 0.5 when the prompt side is ranked by the exact leave-one-out reference, the exact
     knock-out, the knock-out derivative and routing, all conditioned on the same state (is the target reachable?)."""
@@ -186,7 +205,9 @@ def oracle_drops(model, direction, rows: list[dict]) -> dict:
     from raycurate.algorithms.selection import eligible_positions, top_b
 
     keys = ("relevant_total", "relevant_dropped", "distractor_total", "distractor_dropped")
-    sums = {name: dict.fromkeys(keys, 0) for name in ("exact_loo", "exact_knockout", KNOCKOUT, "routing")}
+    names = ("exact_loo", "exact_knockout", KNOCKOUT, "routing", "abs_exact_loo", "abs_knockout_grad",
+             "loss_removal")
+    sums = {name: dict.fromkeys(keys, 0) for name in names}
     for row in rows:
         n, p = len(row["input_ids"]), int(row["prompt_len"])
         fixed_p, fixed_r = fixed_masks(p, n, row["prompt_offsets"], row["response_offsets"])
@@ -201,6 +222,9 @@ def oracle_drops(model, direction, rows: list[dict]) -> dict:
         scores = {"exact_loo": ex.reference[0], KNOCKOUT: ex.proxies[KNOCKOUT][0],
                   "routing": ex.proxies["attention_x_a"][0],
                   "exact_knockout": knockout_reference(model, ids, p, prompt_idx, weights, direction)}
+        # magnitude only (sign ignored): does the response depend on relevant facts more than on distractors?
+        scores.update({"abs_exact_loo": np.abs(ex.reference[0]), "abs_knockout_grad": np.abs(scores[KNOCKOUT]),
+                       "loss_removal": loss_removal_scores(model, ids, p, prompt_idx)})
         for name, s in scores.items():
             keep = np.ones(p, dtype=np.int8)
             keep[prompt_idx] = top_b(s, ex.b_p)
@@ -231,7 +255,10 @@ def run_seed(corpus_seed: int, args, base_dir: str) -> dict:
     order = np.random.default_rng(corpus_seed).permutation(len(splits["selection"]))
     selection = [splits["selection"][i] for i in order]
     labelled = [r for r in selection if r["label"].get("distractor_spans")][:args.select_rows]
-    drops = {proxy: drop_shares(model, direction, labelled, pad_id, proxy) for proxy in ("routing", "knockout_grad")}
+    drops = {} if args.oracle_only else {proxy: drop_shares(model, direction, labelled, pad_id, proxy)
+                                         for proxy in ("routing", "knockout_grad")}
+    if args.oracle_only:
+        return {"seed": corpus_seed, "oracle": oracle_drops(model, direction, labelled[:args.oracle_rows])}
     fid = fidelity(model, direction, selection[:args.fidelity_rows])
     oracle = oracle_drops(model, direction, labelled[:args.oracle_rows])
     return {"seed": corpus_seed, "warmup_rows": len(splits["warmup"]), "warmup_loss": warm_loss,
@@ -273,6 +300,7 @@ def main() -> None:
     parser.add_argument("--fidelity-rows", type=int, default=20)
     parser.add_argument("--validation-rows", type=int, default=200)
     parser.add_argument("--oracle-rows", type=int, default=12, help="labelled rows ranked by the exact references")
+    parser.add_argument("--oracle-only", action="store_true", help="only the same-state oracle drop shares")
     parser.add_argument("--cache-dir", default=".cache/raycurate")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -283,7 +311,12 @@ def main() -> None:
     results = []
     for seed in args.corpus_seeds:
         results.append(run_seed(seed, args, base_dir))
+        if args.oracle_only:
+            print(f"seed {seed} oracle drops: {results[-1]['oracle']}")
+            continue
         report(results[-1])
+    if args.oracle_only:
+        return
 
     def mean_sd(values: list[float]) -> str:
         return f"{np.mean(values):.3f}+-{np.std(values, ddof=1) if len(values) > 1 else 0.0:.3f}"
