@@ -16,6 +16,7 @@ import torch
 from raycurate.algorithms.closure import final_answer_covered, pairs_from_flat, project_response
 from raycurate.algorithms.routing import attention_for_layer, interaction_terms, routing_weights
 from raycurate.algorithms.selection import (
+    SelectionResult,
     budgets,
     eligible_positions,
     fold_fixed_positions,
@@ -83,7 +84,7 @@ class ExampleState:
     bias: np.ndarray | None
     b_p: int
     b_r: int
-    result: Any
+    result: SelectionResult
 
 
 def surrogate_state(utilities: np.ndarray, a_p: np.ndarray, c: np.ndarray, row: Mapping[str, Any],
@@ -235,7 +236,7 @@ def score_and_select_rows(
 ) -> list[dict[str, Any]]:
     """Token utilities (one JVP pass) and routing (one attention layer) per micro-batch, then per-example selection.
 
-    With ``settings.prompt_proxy == "knockout_grad"`` one more reverse-over-forward pass per micro-batch scores the
+    With ``settings.prompt_proxy == "knockout_grad"`` one more double-backward pass per micro-batch scores the
     prompt tokens by the knock-out derivative conditioned on the routing selection's S_r (see
     :func:`select_example`).
 
@@ -274,7 +275,7 @@ def score_and_select_rows(
 def _knockout_batch(model: torch.nn.Module, direction: Mapping[str, torch.Tensor], chunk: Sequence[Mapping[str, Any]],
                     routed: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], batch: Mapping[str, torch.Tensor],
                     settings: SelectionSettings) -> list[np.ndarray]:
-    """Knock-out prompt scores of a micro-batch (one reverse-over-forward pass), each conditioned on its example's
+    """Knock-out prompt scores of a micro-batch (one double-backward pass), each conditioned on its example's
     routing selection S_r; returns (n,) score rows."""
     shape = batch["input_ids"].shape
     prompt_mask = torch.zeros(shape, dtype=torch.bool)

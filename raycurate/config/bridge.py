@@ -29,7 +29,7 @@ class BridgeConfig:
     prompt_proxy: str = option(
         "routing", "Prompt-side score: routing (paper: final-layer attention x utility) or knockout_grad (beyond the "
         "paper: derivative of the S_r utility sum w.r.t. per-token attention key scales in every layer; one extra "
-        "reverse-over-forward pass per micro-batch).", choices=("routing", "knockout_grad"),
+        "double-backward pass per micro-batch).", choices=("routing", "knockout_grad"),
     )
     warmup_epochs: int = option(1, "Epochs of warmup SFT on the warmup split (theta_old -> theta_bar).")
     validation_rows: int | None = option(None, "Cap on validation rows for g_target (null: the whole split).")
