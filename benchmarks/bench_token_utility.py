@@ -12,9 +12,12 @@ last 1 and 2 layers, which is closer to the paper's setting (final 4 of 28 layer
 
     python benchmarks/bench_token_utility.py [--batch 2] [--prompt 64] [--repeats 9] [--threads 2]
 
-The last line is ``utility_over_forward=... backward_over_utility=... max_abs_err=...``: utility time / plain
-forward time (target <= 2.5), per-token-backward reference time / utility time (target >= 100), and the largest
-absolute difference between the JVP utilities and the reference.
+The last line is ``utility_over_forward=... backward_over_utility=... max_abs_err=... knockout_over_routing=...``:
+utility time / plain forward time (target <= 2.5), per-token-backward reference time / utility time (target >=
+100), the largest absolute difference between the JVP utilities and the reference, and the cost of the knock-out
+prompt proxy (``bridge.prompt_proxy=knockout_grad``, one double-backward pass over per-token key scales, all
+prompt tokens at once) relative to the routing proxy (one eager attention layer + routing weights): median
+[min, max] of the per-run ratios over the interleaved runs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
 import torch
 
 RESPONSE_TOKENS = 128
@@ -102,12 +106,30 @@ def main() -> None:
     def utility() -> torch.Tensor:
         return tu.token_utilities(model, *inputs, direction)
 
-    timed = {"forward": forward, "utility": utility}
+    prompt_lens = batch["attention_mask"].sum(dim=1) - RESPONSE_TOKENS  # (B,)
+    prompt_mask = torch.arange(batch["input_ids"].shape[1])[None, :] < prompt_lens[:, None]
+    prompt_mask[:, 0] = False  # BOS-like first token is fixed
+
+    def routing() -> None:  # the paper's prompt proxy input: attention of ONE layer, then routing weights
+        from raycurate.algorithms.routing import attention_for_layer, default_routing_layer, routing_weights_batch
+
+        attn = attention_for_layer(model, batch["input_ids"], batch["attention_mask"], default_routing_layer(model))
+        routing_weights_batch(attn, prompt_lens, batch["attention_mask"])
+
+    def knockout() -> None:  # bridge.prompt_proxy=knockout_grad: one double-backward pass over the key scales
+        tu.knockout_prompt_scores(model, batch["input_ids"], batch["attention_mask"], prompt_mask,
+                                  batch["loss_mask"].float(), direction)
+
+    timed = {"forward": forward, "utility": utility, "routing": routing, "knockout": knockout}
     timed.update({f"L{layers}": (lambda d=d: tu.token_utilities(model, *inputs, d)) for layers, d in shallow.items()})
     best = {name: float("inf") for name in timed}
+    ratios = []  # knockout / routing, one per interleaved run
     for _ in range(args.repeats):  # interleaved, so load spikes hit all alike
+        run = {}
         for name, fn in timed.items():
-            best[name] = min(best[name], best_of(fn, 1))
+            run[name] = best_of(fn, 1)
+            best[name] = min(best[name], run[name])
+        ratios.append(run["knockout"] / run["routing"])
     t_forward, t_utility = best["forward"], best["utility"]
     start = time.perf_counter()
     reference = tu.reference_token_utilities(model, *inputs, direction)
@@ -126,9 +148,18 @@ def main() -> None:
         label = f"  (info) JVP utilities, L={layers}"
         print(f"{label:<34}{best[f'L{layers}']:>12.4f}{best[f'L{layers}'] / t_forward:>12.2f}")
     print(f"{'per-token backward reference':<34}{t_reference:>12.4f}{t_reference / t_forward:>12.2f}")
+    print(f"{'routing proxy (1 eager layer)':<34}{best['routing']:>12.4f}{best['routing'] / t_forward:>12.2f}")
+    print(f"{'knock-out proxy (double backward)':<34}{best['knockout']:>12.4f}{best['knockout'] / t_forward:>12.2f}")
+    ratio_median, ratio_lo, ratio_hi = float(np.median(ratios)), min(ratios), max(ratios)
+    scoring = t_utility + best["routing"]  # what bridge_select computes per micro-batch before the selection
+    q1, q3 = np.percentile(ratios, [25, 75])
+    print(f"knock-out / routing per interleaved run: median {ratio_median:.2f}, IQR [{q1:.2f}, {q3:.2f}], range "
+          f"[{ratio_lo:.2f}, {ratio_hi:.2f}] over {len(ratios)} runs; best-of ratio "
+          f"{best['knockout'] / best['routing']:.2f}; "
+          f"scoring (utility + routing) grows by x{(scoring + best['knockout']) / scoring:.2f}")
     print(f"max |a_jvp - a_ref| = {max_abs_err:.3e} (max |a_ref| = {scale:.3e}, relative {max_abs_err / scale:.1e})")
     print(f"utility_over_forward={t_utility / t_forward:.3f} backward_over_utility={t_reference / t_utility:.1f} "
-          f"max_abs_err={max_abs_err:.3e}")
+          f"max_abs_err={max_abs_err:.3e} knockout_over_routing={ratio_median:.2f}[{ratio_lo:.2f},{ratio_hi:.2f}]")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ stats = pytest.importorskip("scipy.stats")
 
 from raycurate.algorithms import fidelity as fd  # noqa: E402
 from raycurate.algorithms import token_utility as tu  # noqa: E402
-from raycurate.algorithms.selection import eligible_positions, fold_fixed_positions, select  # noqa: E402
+from raycurate.algorithms.selection import budgets, eligible_positions, fold_fixed_positions, select  # noqa: E402
 from raycurate.models.tiny import build_tiny_model  # noqa: E402
 from raycurate.models.tokenizer import train_tokenizer  # noqa: E402
 
@@ -259,7 +259,7 @@ def test_example_fidelity_state_proxies_and_table(model, direction, example):
     ex.proxies["oracle"] = ex.reference
     rows = fd.fidelity_table([ex, ex])
     assert [(r["side"], r["proxy"]) for r in rows] == [
-        (side, proxy) for side in fd.SIDES for proxy in ("attention", "attention_x_a", "oracle")]
+        (side, proxy) for side in fd.SIDES for proxy in ("attention", "attention_x_a", fd.KNOCKOUT, "oracle")]
     oracle = [r for r in rows if r["proxy"] == "oracle"]
     for r in oracle:
         assert r["spearman"] == pytest.approx(1.0) and r["top_b_overlap"] == 1.0 and r["jaccard"] == 1.0
@@ -281,6 +281,17 @@ def test_example_fidelity_computes_routing_itself_and_state_recomputed_scores(mo
             np.testing.assert_allclose(own.proxies[name][k], given.proxies[name][k], atol=1e-9)
     with pytest.raises(ValueError, match="both"):
         fd.example_fidelity(model, ids, prompt_len, prompt_idx, response_idx, direction, a_p)
+    # knock-out proxy: conditioned on the state's S_r plus the fixed response tokens; response row = surrogate's
+    assert list(own.proxies) == [*fd.PROXIES, fd.KNOCKOUT]
+    weights = np.zeros(13)
+    weights[prompt_len:] = 1.0
+    weights[response_idx] = own.S_r
+    np.testing.assert_allclose(own.proxies[fd.KNOCKOUT][0],
+                               fd.knockout_scores(model, ids, np.asarray(prompt_idx), weights, direction), rtol=1e-6)
+    np.testing.assert_array_equal(own.proxies[fd.KNOCKOUT][1], own.proxies["attention_x_a"][1])
+    assert np.any(own.proxies[fd.KNOCKOUT][0] != 0)
+    plain = fd.example_fidelity(model, ids, prompt_len, prompt_idx, response_idx, direction, knockout=False)
+    assert list(plain.proxies) == list(fd.PROXIES)
 
     # F.2: at the example's own state (T = 4) the fresh scores are its response-side reference
     states = fd.state_recomputed_fidelity(model, ids, prompt_len, direction, own, rounds=(1, 4))
@@ -315,7 +326,7 @@ def test_ranking_shift_by_hand():
                      [0.0, 2.0],
                      [1.0, 1.0]])
     gamma = np.zeros(2)
-    curve = fd.ranking_shift(beta, gamma, retentions=(1.0, 0.5))
+    curve = fd.ranking_shift(beta, gamma, retentions=(1.0, 0.5), subset="top")
     # full-state: Delta_p(.|R) = [3, 2, 2], Delta_r(.|P) = [4, 3]
     # rho 0.5 prompt side: S_r = Top-1 Delta_r = {r0} -> Delta_p = [3, 0, 1]: ranks [3, 1.5, 1.5] vs [3, 1, 2]
     r_full, r_cond = np.array([3, 1.5, 1.5]), np.array([3, 1, 2])
@@ -337,11 +348,38 @@ def test_ranking_shift_properties():
     again = fd.ranking_shift(beta, gamma, subset="random", seed=4)
     np.testing.assert_array_equal(first["prompt_shift"], again["prompt_shift"])  # same seed, same subsets
     assert first["prompt_shift"][0] == 0.0 and np.all(first["prompt_shift"][1:] >= 0)
-    mean = fd.mean_ranking_shift([first, fd.ranking_shift(beta, gamma)])
-    np.testing.assert_allclose(mean["response_shift"],
-                               (first["response_shift"] + fd.ranking_shift(beta, gamma)["response_shift"]) / 2)
+    top = fd.ranking_shift(beta, gamma, subset="top")
+    mean = fd.mean_ranking_shift([first, top])
+    np.testing.assert_allclose(mean["response_shift"], (first["response_shift"] + top["response_shift"]) / 2)
     empty = fd.ranking_shift(beta, gamma, retentions=(0.0,))  # nothing retained, no bias: constant Delta_p
     assert math.isnan(empty["prompt_shift"][0])
     assert fd.mean_ranking_shift([empty])["n_prompt"][0] == 0
     with pytest.raises(ValueError, match="subset"):
         fd.ranking_shift(beta, gamma, subset="bottom")
+
+
+def test_random_subsets_are_nested_and_seeded():
+    sizes = [10, 9, 7, 5, 2, 1, 0]
+    masks = fd.nested_random_masks(10, sizes, np.random.default_rng(3))
+    assert masks.shape == (7, 10) and list(masks.sum(axis=1)) == sizes
+    for larger, smaller in zip(masks[:-1], masks[1:]):
+        assert not np.any(smaller & ~larger)  # every smaller subset lies inside the larger one
+    np.testing.assert_array_equal(masks, fd.nested_random_masks(10, sizes, np.random.default_rng(3)))
+    assert not np.array_equal(masks, fd.nested_random_masks(10, sizes, np.random.default_rng(4)))
+    with pytest.raises(ValueError, match="size"):
+        fd.nested_random_masks(3, [4], np.random.default_rng(0))
+
+
+def test_random_ranking_shift_reuses_one_permutation_per_side():
+    rng = np.random.default_rng(1)
+    beta, gamma = rng.normal(size=(9, 7)), rng.normal(size=7)
+    retentions = (1.0, 0.75, 0.5, 0.25)
+    curve = fd.ranking_shift(beta, gamma, retentions=retentions, subset="random", seed=11)
+    # by hand: the same generator order (response permutation first, then prompt) and Top-b prefixes
+    gen = np.random.default_rng(11)
+    sizes = [budgets(9, 7, rho, rho) for rho in retentions]
+    kept_r = fd.nested_random_masks(7, [b for _, b in sizes], gen)
+    full_p = beta.sum(axis=1)
+    expected = [1.0 - fd.spearman(full_p, beta @ kept_r[m].astype(float)) for m in range(len(sizes))]
+    np.testing.assert_allclose(curve["prompt_shift"], expected)
+    assert curve["prompt_shift"][0] == 0.0

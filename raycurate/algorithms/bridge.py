@@ -15,10 +15,19 @@ import torch
 
 from raycurate.algorithms.closure import final_answer_covered, pairs_from_flat, project_response
 from raycurate.algorithms.routing import attention_for_layer, interaction_terms, routing_weights
-from raycurate.algorithms.selection import budgets, eligible_positions, fold_fixed_positions, select, to_row_masks
-from raycurate.algorithms.token_utility import token_utilities
+from raycurate.algorithms.selection import (
+    SelectionResult,
+    budgets,
+    eligible_positions,
+    fold_fixed_positions,
+    knockout_update,
+    select,
+    to_row_masks,
+)
+from raycurate.algorithms.token_utility import knockout_prompt_scores, token_utilities
 
 SCHEDULES = ("independent", "one_pass", "alternating")
+PROMPT_PROXIES = ("routing", "knockout_grad")
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,12 @@ class SelectionSettings:
     max_unit_tokens: int = 96
     min_unit_tokens: int = 4
     fold_fixed_response: bool = False
+    prompt_proxy: str = "routing"
+
+    def __post_init__(self) -> None:
+        if self.prompt_proxy not in PROMPT_PROXIES:
+            raise ValueError(f"prompt_proxy={self.prompt_proxy!r} is unknown; choose one of "
+                             f"{', '.join(PROMPT_PROXIES)}")
 
 
 def fixed_masks(prompt_len: int, n: int, prompt_offsets: Sequence[int],
@@ -58,27 +73,33 @@ def fixed_masks(prompt_len: int, n: int, prompt_offsets: Sequence[int],
     return prompt, response
 
 
-def select_example(
-    utilities: np.ndarray,
-    a_p: np.ndarray,
-    c: np.ndarray,
-    row: Mapping[str, Any],
-    settings: SelectionSettings,
-) -> dict[str, Any]:
-    """Budgets, coupled selection and closure for one example.
+@dataclass
+class ExampleState:
+    """Surrogate interactions, budgets and the routing selection of one example (before closure)."""
+
+    prompt_idx: np.ndarray
+    response_idx: np.ndarray
+    beta: np.ndarray
+    gamma: np.ndarray
+    bias: np.ndarray | None
+    b_p: int
+    b_r: int
+    result: SelectionResult
+
+
+def surrogate_state(utilities: np.ndarray, a_p: np.ndarray, c: np.ndarray, row: Mapping[str, Any],
+                    settings: SelectionSettings) -> ExampleState:
+    """Eligible positions, folded interactions, budgets and the routing surrogate's selection of one example.
 
     Args:
         utilities: (n,) token utilities a_t (non-zero on the response side only).
         a_p: (r_all, p) prompt routing weights of every response-side position (``routing_weights``).
         c: (r_all,) response-history mass.
-        row: Token row with ``input_ids``, ``prompt_len``, ``prompt_offsets``, ``response_offsets``, ``response``
-            and ``domain``.
-        settings: Budgets, schedule, closure options.
+        row: Token row with ``input_ids``, ``prompt_len``, ``prompt_offsets``, ``response_offsets``.
+        settings: Budgets and schedule.
 
     Returns:
-        ``prompt_keep`` (p,) int8, ``loss_mask`` (n,) int8, ``response_scores`` (r,) float32 (final conditional
-        scores of the eligible response tokens), ``u_sur`` (after every update), ``u_sur_by_schedule`` (final U_sur
-        of each schedule on the same interactions), budgets and closure diagnostics.
+        An :class:`ExampleState`.
     """
     n, p = len(row["input_ids"]), int(row["prompt_len"])
     fixed_prompt, fixed_response = fixed_masks(p, n, row["prompt_offsets"], row["response_offsets"])
@@ -98,8 +119,55 @@ def select_example(
         bias = None
     b_p, b_r = budgets(len(prompt_idx), len(response_idx), settings.rho_p, settings.rho_r)
     result = select(beta, gamma, b_p, b_r, settings.schedule, settings.rounds, prompt_bias=bias)
+    return ExampleState(prompt_idx, response_idx, beta, gamma, bias, b_p, b_r, result)
+
+
+def knockout_weights(state: ExampleState, n: int, prompt_len: int, settings: SelectionSettings) -> np.ndarray:
+    """(n,) response weights of the knock-out proxy: 1 on the routing state's S_r, and on the fixed response tokens
+    (EOS, end-of-turn) only when ``settings.fold_fixed_response`` (as Delta_p counts them); 0 elsewhere."""
+    weights = np.zeros(n, dtype=np.float32)
+    if settings.fold_fixed_response:
+        weights[prompt_len:] = 1.0
+    weights[state.response_idx] = state.result.response_mask.astype(np.float32)
+    return weights
+
+
+def select_example(
+    utilities: np.ndarray,
+    a_p: np.ndarray,
+    c: np.ndarray,
+    row: Mapping[str, Any],
+    settings: SelectionSettings,
+    prompt_scores: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """Budgets, coupled selection and closure for one example.
+
+    Args:
+        utilities: (n,) token utilities a_t (non-zero on the response side only).
+        a_p: (r_all, p) prompt routing weights of every response-side position (``routing_weights``).
+        c: (r_all,) response-history mass.
+        row: Token row with ``input_ids``, ``prompt_len``, ``prompt_offsets``, ``response_offsets``, ``response``
+            and ``domain``.
+        settings: Budgets, schedule, closure options.
+        prompt_scores: optional (n,) knock-out prompt scores (``settings.prompt_proxy = "knockout_grad"``),
+            conditioned on the routing selection's S_r (:func:`knockout_weights`); they replace Delta_p in one
+            final coupled update (:func:`raycurate.algorithms.selection.knockout_update`).
+
+    Returns:
+        ``prompt_keep`` (p,) int8, ``loss_mask`` (n,) int8, ``response_scores`` (r,) float32 (final conditional
+        scores of the eligible response tokens), ``u_sur`` (after every update), ``u_sur_by_schedule`` (final U_sur
+        of each schedule on the same routing interactions), budgets and closure diagnostics.
+    """
+    n, p = len(row["input_ids"]), int(row["prompt_len"])
+    state = surrogate_state(utilities, a_p, c, row, settings)
+    prompt_idx, response_idx, beta, gamma, bias = (state.prompt_idx, state.response_idx, state.beta, state.gamma,
+                                                   state.bias)
+    b_p, b_r, result = state.b_p, state.b_r, state.result
+    if prompt_scores is not None and len(prompt_idx) and len(response_idx):
+        result = knockout_update(result, np.asarray(prompt_scores, dtype=np.float64)[prompt_idx], beta, gamma,
+                                 b_p, b_r, prompt_bias=bias)
     by_schedule = {
-        name: (result if name == settings.schedule else select(beta, gamma, b_p, b_r, name, settings.rounds,
+        name: (state.result if name == settings.schedule else select(beta, gamma, b_p, b_r, name, settings.rounds,
                                                                  prompt_bias=bias)).u_sur[-1]
         for name in SCHEDULES
     } if len(prompt_idx) and len(response_idx) else {name: 0.0 for name in SCHEDULES}
@@ -168,6 +236,10 @@ def score_and_select_rows(
 ) -> list[dict[str, Any]]:
     """Token utilities (one JVP pass) and routing (one attention layer) per micro-batch, then per-example selection.
 
+    With ``settings.prompt_proxy == "knockout_grad"`` one more double-backward pass per micro-batch scores the
+    prompt tokens by the knock-out derivative conditioned on the routing selection's S_r (see
+    :func:`select_example`).
+
     Args:
         model: Scoring model at theta_bar, eval mode.
         direction: Scoring direction v over the final layers' parameters.
@@ -188,11 +260,35 @@ def score_and_select_rows(
                                     direction)  # (B, T)
         with torch.no_grad():
             attn = attention_for_layer(model, batch["input_ids"], batch["attention_mask"], routing_layer)
+        routed = []
         for i, row in enumerate(chunk):
             n = len(row["input_ids"])
             a_p, c = routing_weights(attn[i], int(row["prompt_len"]), n)
-            out.append(select_example(utilities[i, :n].detach().numpy(), a_p.numpy(), c.numpy(), row, settings))
+            routed.append((utilities[i, :n].detach().cpu().numpy(), a_p.cpu().numpy(), c.cpu().numpy()))
+        knockout = (_knockout_batch(model, direction, chunk, routed, batch, settings)
+                    if settings.prompt_proxy == "knockout_grad" else [None] * len(chunk))
+        for row, (a, a_p, c), scores in zip(chunk, routed, knockout):
+            out.append(select_example(a, a_p, c, row, settings, prompt_scores=scores))
     return out
+
+
+def _knockout_batch(model: torch.nn.Module, direction: Mapping[str, torch.Tensor], chunk: Sequence[Mapping[str, Any]],
+                    routed: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], batch: Mapping[str, torch.Tensor],
+                    settings: SelectionSettings) -> list[np.ndarray]:
+    """Knock-out prompt scores of a micro-batch (one double-backward pass), each conditioned on its example's
+    routing selection S_r; returns (n,) score rows."""
+    shape = batch["input_ids"].shape
+    prompt_mask = torch.zeros(shape, dtype=torch.bool)
+    weights = torch.zeros(shape, dtype=torch.float32)
+    for i, (row, (a, a_p, c)) in enumerate(zip(chunk, routed)):
+        n, p = len(row["input_ids"]), int(row["prompt_len"])
+        state = surrogate_state(a, a_p, c, row, settings)
+        prompt_mask[i, torch.as_tensor(state.prompt_idx, dtype=torch.long)] = True
+        weights[i, :n] = torch.as_tensor(knockout_weights(state, n, p, settings))
+    device = batch["input_ids"].device
+    scores = knockout_prompt_scores(model, batch["input_ids"], batch["attention_mask"], prompt_mask.to(device),
+                                    weights.to(device), direction)  # (B, T)
+    return [scores[i, :len(row["input_ids"])].cpu().numpy() for i, row in enumerate(chunk)]
 
 
 def prompt_relevance_drops(prompt_keep: Sequence[int], prompt_offsets: Sequence[int],

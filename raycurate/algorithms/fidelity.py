@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
 SIDES = ("prompt", "response")
 PROXIES = ("attention", "attention_x_a")
+KNOCKOUT = "knockout_grad"  # beyond the paper: first-order prompt knock-out derivative (example_fidelity only)
 METRICS = ("spearman", "top_b_overlap", "jaccard", "normalized_regret")
 DEFAULT_RETENTIONS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.1)
 
@@ -576,8 +577,9 @@ def example_fidelity(
     rounds: int = 4,
     chunk: int = 16,
     count_fixed_response: bool = True,
+    knockout: bool = True,
 ) -> FidelityExample:
-    """Diagnose one example: surrogate selection, exact reference and both proxies at that state (§5.4).
+    """Diagnose one example: surrogate selection, exact reference and the proxies at that state (§5.4).
 
     The full-prompt utilities ``a`` come from the same JVP pass that anchors ``beta^exact`` (so surrogate and
     reference share ``a_j(P)``); the state is the alternating BRIDGE selection (``rounds`` = T) of the surrogate
@@ -601,9 +603,14 @@ def example_fidelity(
         count_fixed_response: whether the prompt scores include the fixed response tokens (EOS, end-of-turn):
             in the selection state (``prompt_bias``, as ``SelectionSettings.fold_fixed_response``) and in the
             compared reference and proxies (see :func:`exact_reference_scores`).
+        knockout: also diagnose the :data:`KNOCKOUT` proxy (``bridge.prompt_proxy = knockout_grad``): prompt side
+            ``d/ds_i sum_{j in S_r (+ fixed)} a_j(s)`` at ``s = 1``
+            (:func:`raycurate.algorithms.token_utility.knockout_prompt_scores`, one extra pass); its response side
+            is the routing surrogate's ``Delta_r(. | S_p)`` (what the selection uses with that proxy), so it
+            repeats ``attention_x_a``'s response row by construction.
 
     Returns:
-        A :class:`FidelityExample`.
+        A :class:`FidelityExample` with proxies :data:`PROXIES` (+ :data:`KNOCKOUT`).
     """
     input_ids = _one_row(input_ids, prompt_len)
     n = int(input_ids.shape[0])
@@ -625,7 +632,45 @@ def example_fidelity(
     compacted = compacted_utilities(model, input_ids, prompt_len, _prompt_keep(p_idx, s_p, prompt_len), direction)
     reference = reference_from_interactions(beta_exact, compacted, prompt_len, r_idx, s_r, count_fixed_response)
     proxies = proxy_scores(a_p, c, a_full, prompt_len, p_idx, r_idx, s_p, s_r, count_fixed_response)
+    if knockout:
+        weights = np.zeros(n, dtype=np.float64)
+        if count_fixed_response:
+            weights[prompt_len:] = 1.0
+        weights[r_idx] = s_r
+        prompt_ko = knockout_scores(model, input_ids, p_idx, weights, direction)
+        proxies[KNOCKOUT] = (prompt_ko, proxies["attention_x_a"][1])
     return FidelityExample(b_p, b_r, reference, proxies, s_p, s_r, beta, gamma, bias, p_idx, r_idx)
+
+
+def knockout_scores(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    prompt_idx: np.ndarray,
+    response_weights: np.ndarray,
+    direction: Mapping[str, torch.Tensor],
+) -> np.ndarray:
+    """Knock-out derivative prompt scores of one unpadded row at its eligible prompt positions.
+
+    Args:
+        model: Causal LM at theta_bar, in eval mode.
+        input_ids: (n,) token ids.
+        prompt_idx: (p,) eligible prompt positions.
+        response_weights: (n,) weights of the response utilities (1 on the conditioning S_r).
+        direction: ``{parameter name: v}``.
+
+    Returns:
+        (p,) float64 ``d/ds_i sum_t w_t a_t(s)`` at ``s = 1``.
+    """
+    import torch
+
+    from raycurate.algorithms.token_utility import knockout_prompt_scores
+
+    ids = input_ids[None, :]
+    prompt_mask = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+    prompt_mask[0, torch.as_tensor(prompt_idx, dtype=torch.long, device=ids.device)] = True
+    weights = torch.as_tensor(np.asarray(response_weights, dtype=np.float32), device=ids.device)[None, :]
+    scores = knockout_prompt_scores(model, ids, torch.ones_like(ids), prompt_mask, weights, direction)[0]
+    return scores.double().cpu().numpy()[prompt_idx]
 
 
 def _routing(model: nn.Module, input_ids: torch.Tensor, prompt_len: int, layer: int | None):
@@ -757,14 +802,27 @@ def state_fidelity_table(per_example: Sequence[Mapping[int, Mapping[str, float]]
 # ------------------------------------------------------------------------------ ranking shift (Fig. 2(b))
 
 
-def _opposite_subset(
-    full_scores: np.ndarray, b: int, subset: str, rng: np.random.Generator | None
-) -> np.ndarray:
-    if subset == "top":
-        return top_b(full_scores, b)
-    mask = np.zeros(full_scores.shape[0], dtype=bool)
-    mask[rng.choice(full_scores.shape[0], size=b, replace=False)] = True
-    return mask
+def nested_random_masks(n: int, sizes: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+    """Random NESTED subsets: the first ``b`` entries of one seeded permutation for every size ``b``.
+
+    Smaller subsets are contained in larger ones, so a retention curve shrinks one fixed random subset
+    ("progressively smaller sets", paper Fig. 2(b)) instead of redrawing it at every ratio.
+
+    Args:
+        n: number of candidates.
+        sizes: (k,) subset sizes, each in [0, n].
+        rng: seeded generator (one permutation is drawn).
+
+    Returns:
+        (k, n) bool masks; row ``m`` has ``sizes[m]`` True.
+    """
+    order = rng.permutation(n)  # (n,)
+    masks = np.zeros((len(sizes), n), dtype=bool)
+    for m, b in enumerate(sizes):
+        if not 0 <= int(b) <= n:
+            raise ValueError(f"subset size {b} must lie in [0, {n}]")
+        masks[m, order[:int(b)]] = True
+    return masks
 
 
 def ranking_shift(
@@ -772,8 +830,8 @@ def ranking_shift(
     gamma: np.ndarray,
     prompt_bias: np.ndarray | None = None,
     retentions: Sequence[float] = DEFAULT_RETENTIONS,
-    subset: Literal["top", "random"] = "top",
-    seed: int = 0,
+    subset: Literal["top", "random"] = "random",
+    seed: int | np.random.SeedSequence = 0,
 ) -> dict[str, np.ndarray]:
     """Ranking shift vs opposite-side retention for one example (paper §3 Finding 2, Fig. 2(b), App. C.1).
 
@@ -781,16 +839,18 @@ def ranking_shift(
     opposite-side subset: prompt side ``1 - rho_s(Delta_p(. | R), Delta_p(. | S_r))`` with ``|S_r| =
     round(rho |R|)``; response side ``1 - rho_s(Delta_r(. | P), Delta_r(. | S_p))`` with ``|S_p| = round(rho |P|)``.
     The retained opposite subset is (decision; the paper says only "progressively smaller sets ... retained"):
-    ``"top"``, the full-state Top-b of that side (what full-state selection would retain), or ``"random"``, a
-    uniform subset drawn with ``seed``.
+    ``"random"`` (default, the Fig. 2(b) protocol), progressively smaller random NESTED subsets, the first ``b``
+    entries of one permutation per side drawn with ``seed`` (:func:`nested_random_masks`); or ``"top"``, the
+    full-state Top-b of that side (what full-state selection would retain; it hides the shift because the
+    dropped tokens are the ones that contribute least).
 
     Args:
         beta: (p, r) interactions over eligible positions (folded; surrogate or exact).
         gamma: (r,) history utilities.
         prompt_bias: optional (p,) fixed-response term (default zero).
         retentions: opposite-side retention ratios in [0, 1].
-        subset: ``"top"`` or ``"random"``.
-        seed: RNG seed for ``"random"``.
+        subset: ``"random"`` or ``"top"``.
+        seed: RNG seed (or SeedSequence) for ``"random"``.
 
     Returns:
         ``{"retention": (k,), "prompt_shift": (k,), "response_shift": (k,)}`` float64; NaN where a ranking is
@@ -805,13 +865,19 @@ def ranking_shift(
         raise ValueError(f"need beta (p, r), gamma (r,), prompt_bias (p,); got {beta.shape}, {gamma.shape}, "
                          f"{bias.shape}")
     p, r = beta.shape
-    rng = np.random.default_rng(seed) if subset == "random" else None
     full_p, full_r = _conditional(beta, gamma, bias, np.ones(p, bool), np.ones(r, bool))  # (p,), (r,)
+    sizes = [budgets(p, r, rho, rho) for rho in retentions]  # [(b_p, b_r)]
+    if subset == "random":
+        rng = np.random.default_rng(seed)
+        kept_r = nested_random_masks(r, [b_r for _, b_r in sizes], rng)  # (k, r)
+        kept_p = nested_random_masks(p, [b_p for b_p, _ in sizes], rng)  # (k, p)
+    else:
+        kept_r = np.stack([top_b(full_r, b_r) for _, b_r in sizes]) if sizes else np.zeros((0, r), bool)
+        kept_p = np.stack([top_b(full_p, b_p) for b_p, _ in sizes]) if sizes else np.zeros((0, p), bool)
     prompt_shift, response_shift = [], []
-    for rho in retentions:
-        b_p, b_r = budgets(p, r, rho, rho)
-        cond_p, _ = _conditional(beta, gamma, bias, np.ones(p, bool), _opposite_subset(full_r, b_r, subset, rng))
-        _, cond_r = _conditional(beta, gamma, bias, _opposite_subset(full_p, b_p, subset, rng), np.ones(r, bool))
+    for m in range(len(sizes)):
+        cond_p, _ = _conditional(beta, gamma, bias, np.ones(p, bool), kept_r[m])
+        _, cond_r = _conditional(beta, gamma, bias, kept_p[m], np.ones(r, bool))
         prompt_shift.append(1.0 - spearman(full_p, cond_p))
         response_shift.append(1.0 - spearman(full_r, cond_r))
     return {

@@ -316,6 +316,51 @@ def _alternate(
     return SelectionResult(s_p, s_r, prompt_scores, response_scores, u_sur, rounds_run=t, converged=converged)
 
 
+def knockout_update(
+    state: SelectionResult,
+    prompt_scores: np.ndarray,
+    beta: np.ndarray,
+    gamma: np.ndarray,
+    b_p: int,
+    b_r: int,
+    *,
+    prompt_bias: np.ndarray | None = None,
+) -> SelectionResult:
+    """One coupled update with externally computed prompt scores (``bridge.prompt_proxy = knockout_grad``).
+
+    ``prompt_scores`` replace ``Delta_p(. | S_r)``: the first-order knock-out derivative conditioned on
+    ``state.response_mask`` (:func:`raycurate.algorithms.token_utility.knockout_prompt_scores`).  Then
+    ``S_p = Top_bp prompt_scores`` and ``S_r = Top_br Delta_r(. | S_p)`` with the routing surrogate's
+    ``Delta_r(j | S_p) = gamma_j + sum_{i in S_p} beta_ij`` (a reverse pass gives the knock-out derivative only as
+    row sums over one response weighting, not the (p, r) matrix the response side would need).  ``u_sur`` extends
+    ``state.u_sur`` by the surrogate utility of the new pair, which the surrogate no longer guarantees to be
+    non-decreasing (the prompt update maximises another score).
+
+    Args:
+        state: The routing surrogate's selection (its ``response_mask`` conditioned ``prompt_scores``).
+        prompt_scores: (p,) knock-out scores of the eligible prompt positions.
+        beta: (p, r) routing interactions.
+        gamma: (r,) history utilities.
+        b_p: prompt budget.
+        b_r: response budget.
+        prompt_bias: optional (p,) unary prompt term of the surrogate (for U_sur only).
+
+    Returns:
+        A :class:`SelectionResult` (``rounds_run = state.rounds_run + 1``, ``converged`` when S_r did not change).
+    """
+    beta, gamma, bias = _check_inputs(beta, gamma, prompt_bias)
+    scores = np.asarray(prompt_scores, dtype=np.float64)
+    if scores.shape != (beta.shape[0],) or not np.isfinite(scores).all():
+        raise ValueError(f"prompt_scores must be {beta.shape[0]} finite scores over the eligible prompt positions, "
+                         f"got shape {scores.shape}")
+    s_p = top_b(scores, b_p)
+    response_scores = gamma + s_p.astype(np.float64) @ beta  # (r,) Delta_r(. | S_p)
+    s_r = top_b(response_scores, b_r)
+    u = surrogate_utility(s_p, s_r, beta, gamma, bias)
+    return SelectionResult(s_p, s_r, scores, response_scores, [*state.u_sur, u], rounds_run=state.rounds_run + 1,
+                           converged=bool(np.array_equal(s_r, state.response_mask)))
+
+
 def to_row_masks(
     n_tokens: int,
     prompt_len: int,

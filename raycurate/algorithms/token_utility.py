@@ -42,7 +42,7 @@ from torch import nn
 from raycurate.algorithms.losses import example_losses, token_losses
 
 # Attention implementations whose SDPA calls become forward-AD capable under the MATH backend.
-_MATH_SDPA_COMPATIBLE = ("sdpa", "eager", "raycurate_selective_eager")
+_MATH_SDPA_COMPATIBLE = ("sdpa", "eager", "raycurate_selective_eager", "raycurate_key_scaled_eager")
 _BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
 
 
@@ -374,3 +374,95 @@ def reference_token_utilities(
                 (g.float() * vec).sum() for g, vec in zip(grads, vectors) if g is not None
             )
     return utilities
+
+
+# ------------------------------------------------------------------------- prompt knock-out derivative
+
+
+def _window_losses(logits: torch.Tensor, window_ids: torch.Tensor, window_mask: torch.Tensor) -> torch.Tensor:
+    """:func:`token_losses` computed in the logits' precision when that is float32 or wider (float64 tests)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    batch, width, _ = logits.shape
+    losses = logits.new_zeros((batch, width), dtype=dtype)
+    if width < 2:
+        return losses
+    pred = logits[:, :-1].to(dtype).reshape(-1, logits.shape[-1])  # (B*(W-1), V)
+    shifted = nn.functional.cross_entropy(pred, window_ids[:, 1:].reshape(-1), reduction="none")
+    return torch.cat([losses[:, :1], shifted.view(batch, width - 1)], dim=1) * window_mask.to(dtype)
+
+
+def knockout_prompt_scores(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_weights: torch.Tensor,
+    direction: Mapping[str, torch.Tensor],
+) -> torch.Tensor:
+    """First-order prompt knock-out proxy: ``d/ds_i sum_t w_t a_t(s)`` at ``s = 1`` for every prompt position ``i``.
+
+    ``s`` (B, T) are per-token attention key scales applied in EVERY layer (additive ``log s_i`` on the attention
+    scores of key ``i``, :class:`raycurate.models.loading.key_log_scales`); ``s_i = 0`` knocks token ``i`` out of
+    attention, so ``-score_i`` is the first-order change of the weighted utility sum when token ``i`` is knocked
+    out, the derivative counterpart of the exact leave-one-out ``Delta_p^exact(i | S_r) = sum_{j in S_r}
+    [a_j(P) - a_j(T_i(P))]`` (:mod:`raycurate.algorithms.fidelity`).  Large positive = the prompt token supports
+    useful response tokens.  ``sum_t w_t a_t = v . grad (sum_t w_t l_t)`` is formed by one backward pass with
+    ``create_graph`` (gradients w.r.t. the direction's parameters only), and its derivative w.r.t. ``log s`` by ONE
+    more reverse pass (a Hessian-vector-product pattern), so every prompt token of every example is scored at once
+    (no per-token loop).  Reverse-over-forward through :func:`token_utilities`' JVP is not used: torch 2.13 has no
+    forward-AD rule for ``silu_backward`` and log-softmax's forward-AD formula writes in place.  Examples do not
+    interact, so one batch gives each example's own scores.
+
+    Args:
+        model: Causal LM at theta_bar, in eval mode (Llama/Qwen2-style, attention through ``AttentionInterface``).
+        input_ids: (B, T) token ids, right-padded.
+        attention_mask: (B, T) 1 on real tokens, 0 on padding.
+        prompt_mask: (B, T) bool, True at the prompt positions to score (e.g. the eligible ones; BOS excluded).
+        response_weights: (B, T) weights ``w_t`` of the response tokens' utilities (e.g. 1 on the conditioning
+            subset S_r); 0 elsewhere.  Padded positions and t = 0 are ignored.
+        direction: ``{parameter name: v}`` (:func:`scoring_direction`).
+
+    Returns:
+        (B, T) float32 scores, 0 outside ``prompt_mask`` (and on padding).
+    """
+    from raycurate.models.loading import key_log_scales
+
+    _require_eval(model, "knockout_prompt_scores")
+    for name, tensor in (("attention_mask", attention_mask), ("prompt_mask", prompt_mask),
+                         ("response_weights", response_weights)):
+        if tensor.shape != input_ids.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)} but input_ids has {tuple(input_ids.shape)}")
+    params = _check_direction(model, direction)
+    weights = torch.where(_supervised(attention_mask, response_weights), response_weights, 0).float()  # (B, T)
+    prompt = (prompt_mask != 0) & (attention_mask != 0)
+    scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    if not weights.any() or not prompt.any():
+        return scores
+    cols = (weights != 0).any(dim=0).nonzero().squeeze(1)
+    start, stop = int(cols[0]) - 1, int(cols[-1]) + 1  # logits at [start, stop) predict [start + 1, stop]
+    names = list(params)
+    tensors = [params[name] for name in names]
+    vectors = [direction[name].detach().to(params[name].device, params[name].dtype) for name in names]
+    log_s = torch.zeros(input_ids.shape, dtype=tensors[0].dtype, device=input_ids.device, requires_grad=True)
+    wanted = {id(t) for t in tensors}
+    flags = [(q, q.requires_grad) for q in model.parameters()]
+    try:
+        for q, _ in flags:
+            q.requires_grad_(id(q) in wanted)
+        with torch.enable_grad(), key_log_scales(model, log_s):
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                           logits_to_keep=torch.arange(start, stop, device=input_ids.device)).logits  # (B, W, V)
+            window = weights[:, start:stop]  # (B, W)
+            losses = _window_losses(logits, input_ids[:, start:stop], window != 0)  # (B, W)
+            objective = (losses * window.to(losses.dtype)).sum()  # sum_t w_t l_t
+            grads = torch.autograd.grad(objective, tensors, create_graph=True, allow_unused=True)
+            utility = sum((g * vec).sum() for g, vec in zip(grads, vectors) if g is not None)  # sum_t w_t a_t
+            if not torch.is_tensor(utility) or not utility.requires_grad:
+                return scores
+            (grad,) = torch.autograd.grad(utility, log_s, allow_unused=True)  # (B, T) d/dlog s = d/ds at s = 1
+    finally:
+        for q, flag in flags:
+            q.requires_grad_(flag)
+    if grad is not None:
+        scores = torch.where(prompt, grad.detach().float(), 0.0)
+    return scores

@@ -31,6 +31,11 @@ class BridgeConfig:
     fold_fixed_response: bool = option(
         False, "Count the always-supervised EOS / end-of-turn tokens in the prompt scores Delta_p (paper: no)."
     )
+    prompt_proxy: str = option(
+        "routing", "Prompt-side score: routing (paper: final-layer attention x utility) or knockout_grad (beyond the "
+        "paper: derivative of the S_r utility sum w.r.t. per-token attention key scales in every layer; one extra "
+        "double-backward pass per micro-batch).", choices=("routing", "knockout_grad"),
+    )
     warmup_epochs: int = option(1, "Epochs of warmup SFT on the warmup split (theta_old -> theta_bar).", ge=0)
     validation_rows: int | None = option(None, "Cap on validation rows for g_target (null: the whole split).", ge=1)
     micro_batch: int = option(8, "Examples per forward JVP / attention pass inside a scoring actor.", ge=1)

@@ -317,3 +317,104 @@ def head_geometry(config: Any) -> dict[str, int]:
         "n_layers": config.num_hidden_layers,
         "hidden": config.hidden_size,
     }
+
+
+# ------------------------------------------------------------------------------ per-key attention scales
+
+KEY_SCALED_EAGER = "raycurate_key_scaled_eager"
+_KEY_LOG_SCALES: Any = None  # contextvars.ContextVar holding a (B, T) tensor or None; created on first use
+
+
+def _key_log_scales_var() -> Any:
+    global _KEY_LOG_SCALES
+    if _KEY_LOG_SCALES is None:
+        import contextvars
+
+        _KEY_LOG_SCALES = contextvars.ContextVar("raycurate_key_log_scales", default=None)
+    return _KEY_LOG_SCALES
+
+
+def _key_scaled_eager_attention(module, query, key, value, attention_mask, **kwargs):
+    """The model's eager attention with ``log s_k`` added to the score of every key ``k`` (all heads, all queries).
+
+    Adding ``log s_k`` before the softmax multiplies key ``k``'s unnormalised weight by ``s_k`` (the row is then
+    renormalised); ``s_k = 1`` is the unmodified model and ``s_k = 0`` removes key ``k`` from every query's softmax.
+    """
+    import torch
+
+    log_scales = _key_log_scales_var().get()
+    if log_scales is not None:
+        k_len = key.shape[-2]
+        bias = log_scales[:, None, None, :k_len].to(query.dtype)  # (B, 1, 1, Tk)
+        if attention_mask is None:  # eager masks are always materialised; keep causality if one is not
+            q_len = query.shape[-2]
+            causal = torch.ones((q_len, k_len), dtype=torch.bool, device=query.device).tril(k_len - q_len)
+            attention_mask = torch.zeros((q_len, k_len), dtype=query.dtype, device=query.device).masked_fill(
+                ~causal, float("-inf"))[None, None]
+        attention_mask = attention_mask[:, :, :, :k_len] + bias
+    return _precise_eager_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def _precise_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention (GQA-aware) whose softmax runs in the query's precision when that is wider than float32.
+
+    Llama/Qwen2's own eager attention casts the softmax to float32, which makes float64 finite-difference checks
+    of the knock-out derivative noisy; otherwise identical to :func:`_generic_eager_attention` (no soft-capping,
+    no attention sinks: Llama/Qwen2/Mistral-style attention only).
+    """
+    import torch
+
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, Tq, H, D)
+    return output, weights
+
+
+def _register_key_scaled_eager() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
+
+    if KEY_SCALED_EAGER not in AttentionInterface._global_mapping:
+        AttentionInterface.register(KEY_SCALED_EAGER, _key_scaled_eager_attention)
+    if KEY_SCALED_EAGER not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionMaskInterface.register(KEY_SCALED_EAGER, eager_mask)
+
+
+class key_log_scales:  # noqa: N801 -- used as a context manager, reads like one
+    """Context manager: every attention layer of ``model`` adds ``log_scales[b, k]`` to the scores of key ``k``.
+
+    ``log_scales`` is ``log s`` for per-token key scales ``s`` (B, T): 0 everywhere is the unmodified model,
+    ``-inf`` at ``k`` knocks token ``k`` out of attention in every layer (its own hidden state is still computed,
+    and the positions of later tokens do not shift, unlike a physical removal).  The tensor may require grad: the
+    derivative of any output w.r.t. ``log s_k`` at ``s = 1`` equals the derivative w.r.t. ``s_k``.  The model runs
+    eager attention (registered as ``"raycurate_key_scaled_eager"``) inside the block and gets its previous
+    attention implementation back afterwards.
+
+    Args:
+        model: A transformers causal LM whose attention modules use the ``AttentionInterface`` (Llama, Qwen2, ...).
+        log_scales: (B, T) additive log-space key scales, T >= the sequence length of the forward passes.
+    """
+
+    def __init__(self, model: PreTrainedModel, log_scales: torch.Tensor):
+        if log_scales.dim() != 2:
+            raise ValueError(f"log_scales must be (B, T) per-token key scales, got {tuple(log_scales.shape)}")
+        self.model, self.log_scales = model, log_scales
+        self._token = None
+        self._previous = None
+
+    def __enter__(self) -> PreTrainedModel:
+        _register_key_scaled_eager()
+        self._previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(KEY_SCALED_EAGER)
+        self._token = _key_log_scales_var().set(self.log_scales)
+        return self.model
+
+    def __exit__(self, *exc: Any) -> None:
+        _key_log_scales_var().reset(self._token)
+        self.model.set_attn_implementation(self._previous)

@@ -155,13 +155,23 @@ def section_bridge(run_dir: Path, manifest: dict) -> str:
         rows = [[r["side"], r["proxy"], *(f"{r[k]:.4f}" for k in ("spearman", "top_b_overlap", "jaccard",
                                                                    "normalized_regret"))] for r in fid["table"]]
         out.append(f"<h3>Fidelity to exact reference scores (Table 3 style, {fid['examples']} examples)</h3>"
-                   + _table(["side", "proxy", "Spearman", "Top-b overlap", "Jaccard", "norm. regret"], rows))
-        shift = fid.get("ranking_shift", {})
+                   + _table(["side", "proxy", "Spearman", "Top-b overlap", "Jaccard", "norm. regret"], rows)
+                   + "<p class='muted'>attention: routing weights alone (a_j = 1); attention_x_a: the paper's "
+                   "final-layer routing surrogate (default); knockout_grad: first-order prompt knock-out derivative "
+                   "(beyond the paper, <code>bridge.prompt_proxy</code>; its response row is the surrogate's).</p>")
+        note = (fid.get("response_side_note") or {}).get("text")
+        if note:
+            out.append(f"<p>Note: the {_esc(note)}.</p>")
+        shift, top = fid.get("ranking_shift", {}), fid.get("ranking_shift_top", {})
         if shift:
             srows = [[f"{r:.2f}", f"{ps:.3f}", f"{rs:.3f}"] for r, ps, rs in zip(
                 shift["retention"], shift["prompt_shift"], shift["response_shift"])]
-            out.append("<h3>Ranking shift vs opposite-side retention (Fig. 2b)</h3>"
-                       + _table(["opposite-side retention", "prompt shift", "response shift"], srows))
+            if top:
+                srows = [row + [f"{ps:.3f}", f"{rs:.3f}"] for row, ps, rs in zip(
+                    srows, top["prompt_shift"], top["response_shift"])]
+            head = ["opposite-side retention", "prompt shift (random nested)", "response shift (random nested)"]
+            out.append("<h3>Ranking shift vs opposite-side retention (Fig. 2b)</h3>" + _table(
+                head + (["prompt shift (Top-b)", "response shift (Top-b)"] if top else []), srows))
     selection_dir = run_dir / "bridge_select" / "selection"
     parts = sorted(selection_dir.glob("*.parquet"))
     if parts:
