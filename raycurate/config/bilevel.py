@@ -58,4 +58,8 @@ class BilevelConfig:
     dsir_buckets: int = option(10000, "DSIR: hashed unigram+bigram buckets.")
     less_dim: int = option(8192, "LESS: random-projection dimension of the LoRA gradient features.")
     less_warmup_fraction: float = option(0.05, "LESS: share of candidates the warmup LoRA trains on.")
+    dedup_threshold: float | None = option(
+        None, "Near-duplicate filter before every method (null: off): drop a candidate whose word 3-gram Jaccard "
+        "similarity (MinHash + LSH, verified exactly) with an earlier row (validation rows first, then candidates "
+        "by id) is >= this, e.g. 0.9. Reported as stage bilevel_dedup.")
     seed: int = option(0, "Seed of row sampling, masks and the selection baselines.")
