@@ -142,6 +142,18 @@ def test_sampled_gradient_by_hand():
         bl.sampled_omega_gradient(np.zeros(4), np.array([1, 1]), np.array([1.0, 2.0]), gamma=1.0)
 
 
+def test_median_baseline_by_hand():
+    # Batch losses 1, 2, 3, 10 (sigma 1, gamma 1, B 4): each row against the median of the other three,
+    # 3, 3, 2, 2 -> 0.25 * (1-3, 2-3, 3-2, 10-2).  The outlier does not lift its batch-mates.
+    grad = bl.sampled_omega_gradient(np.zeros(5), np.array([0, 1, 2, 3]), np.array([1.0, 2.0, 3.0, 10.0]), 1.0,
+                                     baseline="median")
+    assert grad == pytest.approx([-0.5, -0.25, 0.25, 2.0])
+    mean = bl.sampled_omega_gradient(np.zeros(5), np.array([0, 1, 2, 3]), np.array([1.0, 2.0, 3.0, 10.0]), 1.0)
+    assert mean[2] < 0  # with the mean, row 2 (loss 3) looks better than average because of the outlier
+    with pytest.raises(ValueError, match="unknown omega baseline"):
+        bl.sampled_omega_gradient(np.zeros(5), np.array([0, 1]), np.array([1.0, 2.0]), 1.0, baseline="mode")
+
+
 def test_sparse_adam_moves_and_counts_only_the_sampled_rows():
     state = bl.AdamState.zeros(5)
     omega1, state1 = bl.sparse_adam_update(np.zeros(5), np.array([1, 3]), np.array([0.2, -0.4]), state, lr=0.1)
@@ -169,9 +181,9 @@ def test_update_omega_dispatches_to_the_named_optimizer():
                           bl.sgd_update(omega, grad, 2.0))
     assert np.array_equal(bl.update_omega("adam", omega, idx, losses, 0.5, state, 0.1)[0],
                           bl.adam_update(omega, grad, state, 0.1)[0])
-    assert np.array_equal(bl.update_omega("sparse_sgd", omega, idx, losses, 0.5, state, 2.0)[0],
+    assert np.array_equal(bl.update_omega("sparse_sgd", omega, idx, losses, 0.5, state, 2.0, baseline="mean")[0],
                           bl.sparse_sgd_update(omega, idx, rows, 2.0))
-    assert np.array_equal(bl.update_omega("sparse_adam", omega, idx, losses, 0.5, state, 0.1)[0],
+    assert np.array_equal(bl.update_omega("sparse_adam", omega, idx, losses, 0.5, state, 0.1, baseline="mean")[0],
                           bl.sparse_adam_update(omega, idx, rows, state, 0.1)[0])
     with pytest.raises(ValueError, match="unknown omega optimizer"):
         bl.update_omega("rmsprop", omega, idx, losses, 0.5, state, 0.1)

@@ -36,16 +36,17 @@ def shipped_settings(job: Path) -> tuple[JobConfig, object, int]:
     return cfg, bds_settings(cfg.bilevel, cfg.train, online=False), n
 
 
-def synthetic_rows(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(N,) corrupted flags (30%) and (N,) per-row base losses; corrupted rows sit 2.76 row-sds higher."""
+def synthetic_rows(n: int, seed: int, outliers: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """(N,) corrupted flags (30%) and (N,) per-row base losses; corrupted rows sit 2.76 row-sds higher, and a share
+    ``outliers`` of them (off-topic-like rows) costs 8 more: the heavy tail of real SFT losses."""
     rng = np.random.default_rng([seed, 0])
     corrupted = rng.random(n) < 0.3
     base = 1.5 + 0.3 * (np.where(corrupted, 2.76, 0.0) + rng.normal(size=n))
-    return corrupted, base
+    return corrupted, base + 8.0 * (corrupted & (rng.random(n) < outliers))
 
 
 def replay(job: Path, optimizer: str | None = None, lr: float | None = None, seed: int = 0,
-           drift: float = 0.3) -> dict:
+           drift: float = 0.3, baseline: str | None = None, outliers: float = 0.0) -> dict:
     """Run the omega updates of the job's BDS schedule on synthetic losses.
 
     Each sighting of row j sees ``base_j - drift * step / steps + 0.15 * noise``: a fresh noise draw, and a loss
@@ -60,7 +61,8 @@ def replay(job: Path, optimizer: str | None = None, lr: float | None = None, see
     lr = bds.omega_lr if lr is None else lr
     steps = bds_total_steps(n, cfg.train.__class__(epochs=cfg.bilevel.epochs), bds)
     per_epoch = n // bds.cand_batch
-    corrupted, base = synthetic_rows(n, seed)
+    baseline = baseline or bds.omega_baseline
+    corrupted, base = synthetic_rows(n, seed, outliers)
     noise = np.random.default_rng([seed, 1])
     omega, state, first = np.zeros(n), bilevel.AdamState.zeros(n), np.full(n, -1)
     seen_loss, seen_clean = [], []
@@ -72,7 +74,7 @@ def replay(job: Path, optimizer: str | None = None, lr: float | None = None, see
         seen_clean.append(~corrupted[idx])
         gamma = bilevel.gamma_schedule(step // per_epoch, bds.rho0, bds.rho_step, bds.rho_max)
         omega, state = bilevel.update_omega(optimizer, omega, idx, losses, gamma, state, lr,
-                                            tuple(bds.omega_betas), bds.omega_eps)
+                                            tuple(bds.omega_betas), bds.omega_eps, baseline)
     return {"omega": omega, "sigma": bilevel.data_weights(omega), "first": first, "corrupted": corrupted,
             "sighting_auroc": auroc(-np.concatenate(seen_loss), np.concatenate(seen_clean))}
 
@@ -125,3 +127,13 @@ def test_same_seed_same_omega():
     a, b = replay(PACKAGED_DEMO, seed=4), replay(PACKAGED_DEMO, seed=4)
     assert np.array_equal(a["omega"], b["omega"])
     assert not np.array_equal(a["omega"], replay(PACKAGED_DEMO, seed=5)["omega"])
+
+
+def test_median_baseline_is_robust_to_heavy_tailed_losses():
+    # A third of the corrupted rows cost 8 more (like off-topic rows on the demo model): with the mean of the
+    # batch as baseline one such row lifts its batch-mates' omega, the median does not.
+    mean = replay(PACKAGED_DEMO, baseline="mean", outliers=0.3)
+    median = replay(PACKAGED_DEMO, baseline="median", outliers=0.3)
+    mean_auroc = auroc(mean["sigma"], ~mean["corrupted"])
+    median_auroc = auroc(median["sigma"], ~median["corrupted"])
+    assert median_auroc >= 0.9 and median_auroc > mean_auroc + 0.01

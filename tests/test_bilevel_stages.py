@@ -54,7 +54,7 @@ def test_generation_hook_masks_fixed_or_bottom_sigma():
 
 def test_bds_settings_carry_the_signal_preserving_omega_optimizer():
     settings = bds_settings(BilevelConfig(), TrainConfig(effective_batch_size=32), online=False)
-    assert (settings.omega_optimizer, settings.omega_lr) == ("sparse_sgd", 100.0)
+    assert (settings.omega_optimizer, settings.omega_lr, settings.omega_baseline) == ("sparse_sgd", 100.0, "median")
     paper = bds_settings(BilevelConfig(omega_optimizer="adam", omega_lr=1e-4), TrainConfig(), online=False)
     assert (paper.omega_optimizer, paper.omega_lr) == ("adam", 1e-4)
 

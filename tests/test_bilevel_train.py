@@ -123,7 +123,7 @@ def test_first_step_trains_on_the_penalty_loss_and_updates_omega_from_the_gather
     assert metrics["val_loss_per_step"][0] == pytest.approx(val_losses.mean(), rel=1e-5)
     assert metrics["gamma_per_step"] == [pytest.approx(gamma)]
     grad = bilevel.omega_gradient(np.zeros(10), cand_rows, cand_losses, gamma)
-    rows = bilevel.sampled_omega_gradient(np.zeros(10), cand_rows, cand_losses, gamma)
+    rows = bilevel.sampled_omega_gradient(np.zeros(10), cand_rows, cand_losses, gamma, job.bds.omega_baseline)
     if optimizer == "adam":
         expected, _ = bilevel.adam_update(np.zeros(10), grad, bilevel.AdamState.zeros(10), lr=0.05)
     elif optimizer == "sgd":

@@ -39,6 +39,8 @@ OMEGA_OPTIMIZERS = ("sgd", "sparse_sgd", "sparse_adam", "adam")
 """omega optimizers: dense-gradient SGD, sampled-row SGD / Adam (signal preserving), dense Adam (the paper's, records
 the sampling order; faithful reproduction only)."""
 SPARSE_OPTIMIZERS = ("sparse_sgd", "sparse_adam")
+OMEGA_BASELINES = ("median", "mean")
+"""Baseline of the sampled-row estimator: the median of the rest of the batch (robust) or the unbiased mean."""
 OmegaVariant = Literal["exact", "detached"]
 IMPORTANCE_MODES = ("clip", "self_normalize")
 
@@ -178,7 +180,7 @@ def omega_gradient(
 
 
 def sampled_omega_gradient(
-    omega: np.ndarray, batch_idx: np.ndarray, batch_losses: np.ndarray, gamma: float
+    omega: np.ndarray, batch_idx: np.ndarray, batch_losses: np.ndarray, gamma: float, baseline: str = "mean"
 ) -> np.ndarray:
     """Sampled-row estimator of the omega gradient: nonzero only on the B sampled logits (for sparse optimizers).
 
@@ -197,11 +199,18 @@ def sampled_omega_gradient(
     theta trains does not leak into omega, and a per-coordinate optimizer never sees the coupling term of rows
     it has not sampled.
 
+    ``baseline="median"`` replaces ``beta_j`` by the median of ``sigma_b l_b`` over the rest of the batch.  SFT
+    losses are heavy-tailed (one off-topic row can cost 10x a typical one), and a mean baseline lets such a row
+    raise every batch-mate's omega.  The expected update then differs from the exact gradient's by
+    ``gamma/N sigma_j (Lbar - m)`` (m: the expected median), a step proportional to sigma_j: a shared shift of all
+    logits, which softmax ignores, while the weights are near uniform, and second order in their spread otherwise.
+
     Args:
         omega: (N,) data logits.
         batch_idx: (B,) distinct sampled candidate indices, B >= 2.
         batch_losses: (B,) their per-example losses.
         gamma: Penalty constant gamma_k.
+        baseline: ``"mean"`` (exact expectation) or ``"median"`` (robust), see :data:`OMEGA_BASELINES`.
 
     Returns:
         (B,) float64 gradient components of the sampled logits, in ``batch_idx`` order.
@@ -221,8 +230,14 @@ def sampled_omega_gradient(
     n, b = omega.size, idx.size
     sigma = data_weights(omega)[idx]  # (B,)
     sigma_l = sigma * losses  # (B,)
-    others = sigma_l.sum() - sigma_l  # (B,) sum over the other sampled rows
-    beta = (sigma_l + (n - 1) / (b - 1) * others) / n  # (B,)
+    if baseline == "mean":
+        others = sigma_l.sum() - sigma_l  # (B,) sum over the other sampled rows
+        beta = (sigma_l + (n - 1) / (b - 1) * others) / n  # (B,)
+    elif baseline == "median":
+        rest = ~np.eye(b, dtype=bool)  # (B, B) row j: every batch-mate but j
+        beta = np.median(np.broadcast_to(sigma_l, (b, b))[rest].reshape(b, b - 1), axis=1)  # (B,)
+    else:
+        raise ValueError(f"unknown omega baseline {baseline!r}; use one of {OMEGA_BASELINES}")
     return gamma / b * sigma * (losses - beta)
 
 
@@ -392,6 +407,7 @@ def update_omega(
     lr: float,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
+    baseline: str = "median",
 ) -> tuple[np.ndarray, AdamState]:
     """One omega step (eq. 5b) with optimizer ``optimizer`` (:data:`OMEGA_OPTIMIZERS`); pure, float64.
 
@@ -412,6 +428,7 @@ def update_omega(
         lr: Step size.
         betas: Adam betas.
         eps: Adam eps.
+        baseline: Baseline of the sparse optimizers' sampled-row estimator (:data:`OMEGA_BASELINES`).
 
     Returns:
         (new omega (N,), new state).
@@ -421,10 +438,10 @@ def update_omega(
     if optimizer == "adam":
         return adam_update(omega, omega_gradient(omega, batch_idx, batch_losses, gamma), state, lr, betas, eps)
     if optimizer == "sparse_sgd":
-        grad = sampled_omega_gradient(omega, batch_idx, batch_losses, gamma)
+        grad = sampled_omega_gradient(omega, batch_idx, batch_losses, gamma, baseline)
         return sparse_sgd_update(omega, batch_idx, grad, lr), state
     if optimizer == "sparse_adam":
-        grad = sampled_omega_gradient(omega, batch_idx, batch_losses, gamma)
+        grad = sampled_omega_gradient(omega, batch_idx, batch_losses, gamma, baseline)
         return sparse_adam_update(omega, batch_idx, grad, state, lr, betas, eps)
     raise ValueError(f"unknown omega optimizer {optimizer!r}; use one of {OMEGA_OPTIMIZERS}")
 

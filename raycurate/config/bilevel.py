@@ -32,6 +32,10 @@ class BilevelConfig:
         "batch and only sampled logits (and Adam moments) move; sgd: the exact mini-batch gradient through the full "
         "softmax with plain SGD; adam: the paper's dense Adam, which makes omega record when each row was first "
         "sampled (SPEC §6) -- faithful reproduction only.", choices=("sparse_sgd", "sgd", "sparse_adam", "adam"))
+    omega_baseline: str = option(
+        "median", "sparse_sgd / sparse_adam: each sampled row's loss is compared with the median (robust to the "
+        "heavy-tailed losses of corrupted rows) or the mean (exactly the full gradient in expectation) of the rest "
+        "of its batch.", choices=("median", "mean"))
     omega_lr: float = option(
         100.0, "Step size of omega. The omega gradient is O(gamma/B * loss spread) (B = candidates per step), so "
         "SGD needs about B/gamma for O(1) logit moves per epoch; Adam steps are ~lr per sighting (paper: Adam 1e-4).")

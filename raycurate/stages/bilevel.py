@@ -142,7 +142,8 @@ def bds_settings(bilevel: Any, train_cfg: Any, online: bool) -> Any:
 
     val_batch = bilevel.val_batch if bilevel.val_batch is not None else train_cfg.effective_batch_size // 2
     return BDSSettings(
-        omega_lr=bilevel.omega_lr, omega_optimizer=bilevel.omega_optimizer, rho0=bilevel.rho0,
+        omega_lr=bilevel.omega_lr, omega_optimizer=bilevel.omega_optimizer, omega_baseline=bilevel.omega_baseline,
+        rho0=bilevel.rho0,
         rho_step=bilevel.rho_step, rho_max=bilevel.rho_max, val_batch=val_batch,
         cand_batch=train_cfg.effective_batch_size - val_batch, variant=bilevel.variant, seed=bilevel.seed,
         generation_every=bilevel.generation_every if online else None, importance=bilevel.importance,

@@ -108,6 +108,7 @@ class BDSSettings:
         omega_lr: Step size of the data logits (paper: Adam, 1e-4; SGD needs about cand_batch / gamma).
         omega_optimizer: One of :data:`raycurate.algorithms.bilevel.OMEGA_OPTIMIZERS`; ``"adam"`` is the paper's
             dense Adam, which records the sampling order (SPEC §6).
+        omega_baseline: Baseline of the sparse optimizers (:data:`raycurate.algorithms.bilevel.OMEGA_BASELINES`).
         omega_betas: Adam betas of the data logits.
         omega_eps: Adam eps of the data logits.
         rho0: rho of epoch 0; gamma = rho / (1 - rho).
@@ -124,6 +125,7 @@ class BDSSettings:
 
     omega_lr: float = 100.0
     omega_optimizer: str = "sparse_sgd"
+    omega_baseline: str = "median"
     omega_betas: tuple[float, float] = (0.9, 0.999)
     omega_eps: float = 1e-8
     rho0: float = 0.1
@@ -184,6 +186,8 @@ def check_bds_batches(cfg: TrainConfig, bds: BDSSettings, world_size: int) -> in
     if bds.omega_optimizer not in bilevel.OMEGA_OPTIMIZERS:
         raise ValueError(f"bds.omega_optimizer={bds.omega_optimizer!r} is unknown; use one of "
                          f"{bilevel.OMEGA_OPTIMIZERS}.")
+    if bds.omega_baseline not in bilevel.OMEGA_BASELINES:
+        raise ValueError(f"bds.omega_baseline={bds.omega_baseline!r} is unknown; use one of {bilevel.OMEGA_BASELINES}.")
     if bds.importance not in bilevel.IMPORTANCE_MODES:
         raise ValueError(f"bds.importance={bds.importance!r} is unknown; use one of {bilevel.IMPORTANCE_MODES}.")
     if bds.generation_every is not None and bds.generation_every < 1:
@@ -714,7 +718,8 @@ def bds_step(ctx: StepContext, omega_state: OmegaState, step: int) -> tuple[Omeg
     omega_losses = no_grad_losses(ctx, cand_slots) if bds.variant == "exact" else cand_losses
     all_idx, all_losses = all_gather_pairs(my_cand, omega_losses, ctx.device)
     omega, adam = bilevel.update_omega(bds.omega_optimizer, omega_state.omega, all_idx, all_losses, gamma,
-                                       omega_state.adam, bds.omega_lr, tuple(bds.omega_betas), bds.omega_eps)
+                                       omega_state.adam, bds.omega_lr, tuple(bds.omega_betas), bds.omega_eps,
+                                       bds.omega_baseline)
     stats = StepStats(loss_sum, float(val_losses.sum()), float(cand_losses.sum()), tokens, supervised,
                       float(all_losses.mean()), gamma, sum(not isinstance(x, int) for x in cand_slots))
     return dataclasses.replace(omega_state, omega=omega, adam=adam).observe(step, all_idx, all_losses), stats
@@ -798,6 +803,7 @@ def _bds_metrics(job: BDSJob, loop: LoopState, digests: list[str], start_step: i
         "method": "bds_online" if loop.online is not None else "bds",
         "variant": job.bds.variant,
         "omega_optimizer": job.bds.omega_optimizer,
+        "omega_baseline": job.bds.omega_baseline,
         **{k: list(v) for k, v in dataclasses.asdict(loop.curves).items()},
         "masked_questions": len(loop.online.sequences) if loop.online is not None else 0,
         "omega_digests": digests,
