@@ -112,6 +112,83 @@ def test_sgd_update_keeps_the_loss_magnitude_that_adam_normalises_away():
     assert np.abs(adam) == pytest.approx([1.0] * 4, abs=1e-6)  # first Adam step: lr * sign(grad), magnitude lost
 
 
+def test_sampled_gradient_has_the_exact_gradients_expectation_over_all_batches():
+    # N = 6, B = 3: averaging over all 20 batches (uniform without replacement), the sampled-row estimator and the
+    # exact mini-batch gradient agree -- both equal the full-data gradient gamma/N sigma_j (l_j - sum_i p_i l_i).
+    from itertools import combinations
+
+    rng = np.random.default_rng(0)
+    omega, losses, gamma = rng.normal(size=6), rng.uniform(0.5, 3.0, size=6), 0.4
+    dense, sparse = np.zeros(6), np.zeros(6)
+    batches = list(combinations(range(6), 3))
+    for batch in batches:
+        idx = np.array(batch)
+        dense += bl.omega_gradient(omega, idx, losses[idx], gamma)
+        sparse[idx] += bl.sampled_omega_gradient(omega, idx, losses[idx], gamma)
+    sigma, p = bl.data_weights(omega), bl.data_weights(omega) / 6
+    full = gamma / 6 * sigma * (losses - p @ losses)
+    assert dense / len(batches) == pytest.approx(full, rel=1e-12, abs=1e-15)
+    assert sparse / len(batches) == pytest.approx(full, rel=1e-12, abs=1e-15)
+
+
+def test_sampled_gradient_by_hand():
+    # N = 4, omega = 0 (sigma = 1), batch {0, 2} with losses 1 and 3, gamma = 1, B = 2:
+    #   beta_0 = (1 + 3/1 * 3) / 4 = 2.5 -> g_0 = 0.5 * (1 - 2.5) = -0.75
+    #   beta_2 = (3 + 3/1 * 1) / 4 = 1.5 -> g_2 = 0.5 * (3 - 1.5) = 0.75
+    grad = bl.sampled_omega_gradient(np.zeros(4), np.array([0, 2]), np.array([1.0, 3.0]), gamma=1.0)
+    assert grad == pytest.approx([-0.75, 0.75])
+    assert bl.sparse_sgd_update(np.zeros(4), np.array([0, 2]), grad, lr=2.0) == pytest.approx([1.5, 0, -1.5, 0])
+    with pytest.raises(ValueError, match=">= 2 distinct"):
+        bl.sampled_omega_gradient(np.zeros(4), np.array([1, 1]), np.array([1.0, 2.0]), gamma=1.0)
+
+
+def test_median_baseline_by_hand():
+    # Batch losses 1, 2, 3, 10 (sigma 1, gamma 1, B 4): each row against the median of the other three,
+    # 3, 3, 2, 2 -> 0.25 * (1-3, 2-3, 3-2, 10-2).  The outlier does not lift its batch-mates.
+    grad = bl.sampled_omega_gradient(np.zeros(5), np.array([0, 1, 2, 3]), np.array([1.0, 2.0, 3.0, 10.0]), 1.0,
+                                     baseline="median")
+    assert grad == pytest.approx([-0.5, -0.25, 0.25, 2.0])
+    mean = bl.sampled_omega_gradient(np.zeros(5), np.array([0, 1, 2, 3]), np.array([1.0, 2.0, 3.0, 10.0]), 1.0)
+    assert mean[2] < 0  # with the mean, row 2 (loss 3) looks better than average because of the outlier
+    with pytest.raises(ValueError, match="unknown omega baseline"):
+        bl.sampled_omega_gradient(np.zeros(5), np.array([0, 1]), np.array([1.0, 2.0]), 1.0, baseline="mode")
+
+
+def test_sparse_adam_moves_and_counts_only_the_sampled_rows():
+    state = bl.AdamState.zeros(5)
+    omega1, state1 = bl.sparse_adam_update(np.zeros(5), np.array([1, 3]), np.array([0.2, -0.4]), state, lr=0.1)
+    # First sighting of a row: m_hat = g, v_hat = g^2 -> step lr * sign(g); nothing else moves.
+    assert omega1 == pytest.approx([0.0, -0.1, 0.0, 0.1, 0.0], abs=1e-8)
+    assert state1.row_steps.tolist() == [0, 1, 0, 1, 0] and state1.step == 1
+    assert state1.exp_avg[[0, 2, 4]].tolist() == [0.0] * 3 and state1.exp_avg_sq[[0, 2, 4]].tolist() == [0.0] * 3
+    # Row 3 again (its 2nd update, bias correction with t = 2) and row 0 for the first time (t = 1).
+    omega2, state2 = bl.sparse_adam_update(omega1, np.array([3, 0]), np.array([0.1, 0.3]), state1, lr=0.1)
+    m3 = 0.9 * 0.1 * -0.4 + 0.1 * 0.1
+    v3 = 0.999 * 0.001 * 0.16 + 0.001 * 0.01
+    assert omega2[3] == pytest.approx(0.1 - 0.1 * (m3 / (1 - 0.81)) / (np.sqrt(v3 / (1 - 0.999**2)) + 1e-8))
+    assert omega2[0] == pytest.approx(-0.1, abs=1e-8)
+    assert omega2[1] == omega1[1] and state2.exp_avg[1] == state1.exp_avg[1]  # row 1 untouched
+    assert state2.row_steps.tolist() == [1, 1, 0, 2, 0] and state2.step == 2
+    assert state1.row_steps.tolist() == [0, 1, 0, 1, 0]  # pure: the input state is not modified
+
+
+def test_update_omega_dispatches_to_the_named_optimizer():
+    omega, idx, losses = np.array([0.1, -0.2, 0.3, 0.0]), np.array([0, 2]), np.array([1.0, 2.5])
+    state = bl.AdamState.zeros(4)
+    grad = bl.omega_gradient(omega, idx, losses, 0.5)
+    rows = bl.sampled_omega_gradient(omega, idx, losses, 0.5)
+    assert np.array_equal(bl.update_omega("sgd", omega, idx, losses, 0.5, state, 2.0)[0],
+                          bl.sgd_update(omega, grad, 2.0))
+    assert np.array_equal(bl.update_omega("adam", omega, idx, losses, 0.5, state, 0.1)[0],
+                          bl.adam_update(omega, grad, state, 0.1)[0])
+    assert np.array_equal(bl.update_omega("sparse_sgd", omega, idx, losses, 0.5, state, 2.0, baseline="mean")[0],
+                          bl.sparse_sgd_update(omega, idx, rows, 2.0))
+    assert np.array_equal(bl.update_omega("sparse_adam", omega, idx, losses, 0.5, state, 0.1, baseline="mean")[0],
+                          bl.sparse_adam_update(omega, idx, rows, state, 0.1)[0])
+    with pytest.raises(ValueError, match="unknown omega optimizer"):
+        bl.update_omega("rmsprop", omega, idx, losses, 0.5, state, 0.1)
+
+
 def test_omega_gradient_rejects_mismatched_losses():
     with pytest.raises(ValueError, match="one loss per sampled candidate"):
         bl.omega_gradient(np.zeros(4), np.array([0, 1]), np.array([1.0]), gamma=1.0)

@@ -42,7 +42,9 @@ def test_bilevel_pipeline_end_to_end(tmp_path, ray_local):
     bilevel = manifest["bilevel"]
     assert set(bilevel["losses"]) == {"bds", "online", "mix_1", "dsir", "less"}
     assert all(v["train_loss"] > 0 and v["validation_loss"] > 0 for v in bilevel["losses"].values())
-    assert 0.0 <= bilevel["methods"]["bds"]["auroc"] <= 1.0
+    bds = bilevel["methods"]["bds"]
+    assert 0.0 <= bds["auroc"] <= 1.0 and bds["auroc_ci95"][0] <= bds["auroc"] <= bds["auroc_ci95"][1]
+    assert bds["auroc_by_kind"] and -1.0 <= bds["spearman_first_step"] <= 1.0
     assert stages["bilevel_mix_1_rows"]["metrics"]["validation"] == 0
     for method in ("dsir", "less"):
         picked = pq.read_table(run_dir / f"bilevel_{method}_select/selection.parquet").to_pylist()

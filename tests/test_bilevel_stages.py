@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from raycurate.algorithms.metrics import auroc
 from raycurate.config.bilevel import BilevelConfig
 from raycurate.config.train import TrainConfig
 from raycurate.pipelines.bilevel import check_methods
@@ -49,3 +50,43 @@ def test_generation_hook_masks_fixed_or_bottom_sigma():
     assert sorted(_hook("dynamic").masked(omega).tolist()) == [1, 4]  # the two lowest weights
     fixed = _hook("fixed").masked(omega)
     assert len(fixed) == 2 and fixed.tolist() == _hook("fixed").masked(-omega).tolist()  # independent of omega
+
+
+def test_bds_settings_carry_the_signal_preserving_omega_optimizer():
+    settings = bds_settings(BilevelConfig(), TrainConfig(effective_batch_size=32), online=False)
+    assert (settings.omega_optimizer, settings.omega_lr, settings.omega_baseline) == ("sparse_sgd", 100.0, "median")
+    paper = bds_settings(BilevelConfig(omega_optimizer="adam", omega_lr=1e-4), TrainConfig(), online=False)
+    assert (paper.omega_optimizer, paper.omega_lr) == ("adam", 1e-4)
+
+
+def test_auroc_by_kind_and_bootstrap_interval_by_hand():
+    from raycurate.algorithms.metrics import auroc_by_kind, bootstrap_auroc_ci
+
+    # clean 3, 4; truncated 1 (below both: AUROC 1); near_duplicate 3.5 (between: AUROC 1/2).
+    scores = np.array([3.0, 4.0, 1.0, 3.5])
+    kinds = np.array(["none", "none", "truncated", "near_duplicate"])
+    assert auroc_by_kind(scores, kinds) == {"near_duplicate": 0.5, "truncated": 1.0}
+    assert auroc_by_kind(scores, np.array(["a"] * 4)) == {}
+    rng = np.random.default_rng(0)
+    clean = rng.random(400) < 0.7
+    noisy = clean + rng.normal(size=400)
+    low, high = bootstrap_auroc_ci(noisy, clean, np.random.default_rng(1), resamples=300)
+    assert low < auroc(noisy, clean) < high and high - low < 0.15
+    assert (low, high) == bootstrap_auroc_ci(noisy, clean, np.random.default_rng(1), resamples=300)  # seeded
+    perfect = bootstrap_auroc_ci(clean.astype(float), clean, np.random.default_rng(1), resamples=50)
+    assert perfect == (1.0, 1.0)
+
+
+def test_label_separation_reports_each_kind_and_the_score_without_near_duplicates():
+    from raycurate.stages.bilevel import label_separation
+
+    # 6 clean rows score 1..6; truncated rows score 0 (always below), near-duplicates 3.5 (mid-way).
+    scores = np.array([1, 2, 3, 4, 5, 6, 0, 0, 3.5, 3.5], dtype=float)
+    clean = np.array([True] * 6 + [False] * 4)
+    kinds = np.array(["none"] * 6 + ["truncated"] * 2 + ["near_duplicate"] * 2)
+    out = label_separation(scores, clean, kinds, seed=0, resamples=50)
+    assert out["auroc_by_kind"]["truncated"]["auroc"] == 1.0 and out["auroc_by_kind"]["truncated"]["rows"] == 2
+    assert out["auroc_by_kind"]["near_duplicate"]["auroc"] == 0.5
+    assert out["auroc"] == pytest.approx(0.75) and out["auroc_excluding_near_duplicate"] == 1.0
+    low, high = out["auroc_ci95"]
+    assert low <= 0.75 <= high

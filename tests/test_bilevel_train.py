@@ -108,7 +108,7 @@ def _losses_at_init(tiny_model: str, table_path: str, rows: np.ndarray) -> np.nd
     return example_losses(logits, batch["input_ids"], batch["loss_mask"]).numpy().astype(np.float64)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd", "sparse_sgd", "sparse_adam"])
 def test_first_step_trains_on_the_penalty_loss_and_updates_omega_from_the_gathered_losses(
         tiny_model, tables, tmp_path, optimizer):
     job = _job(tables, tiny_model, str(tmp_path / "out"), _cfg(max_steps=1), variant="detached",
@@ -123,13 +123,25 @@ def test_first_step_trains_on_the_penalty_loss_and_updates_omega_from_the_gather
     assert metrics["val_loss_per_step"][0] == pytest.approx(val_losses.mean(), rel=1e-5)
     assert metrics["gamma_per_step"] == [pytest.approx(gamma)]
     grad = bilevel.omega_gradient(np.zeros(10), cand_rows, cand_losses, gamma)
+    rows = bilevel.sampled_omega_gradient(np.zeros(10), cand_rows, cand_losses, gamma, job.bds.omega_baseline)
     if optimizer == "adam":
         expected, _ = bilevel.adam_update(np.zeros(10), grad, bilevel.AdamState.zeros(10), lr=0.05)
-    else:
+    elif optimizer == "sgd":
         expected = -0.05 * grad
+    else:  # only the two sampled logits move
+        expected = np.zeros(10)
+        step = rows / (np.abs(rows) + 1e-8) if optimizer == "sparse_adam" else rows  # Adam: ~lr * sign(g)
+        expected[cand_rows] = -0.05 * step
     weights = pq.read_table(os.path.join(job.output_dir, bt.WEIGHTS_FILE)).to_pandas()
     assert weights["omega"].to_numpy() == pytest.approx(expected, rel=1e-5, abs=1e-9)
     assert weights["epoch"].tolist() == [0] * 10 and weights["step"].tolist() == [1] * 10
+    assert metrics["omega_optimizer"] == optimizer
+    by_id = weights.set_index("id")
+    ids = load_token_table(tables[0]).ids
+    sampled = set(ids[cand_rows].tolist())
+    assert all(by_id.loc[i, "first_step"] == (0 if i in sampled else -1) for i in ids)
+    assert by_id.loc[list(ids[cand_rows]), "loss"].to_numpy() == pytest.approx(cand_losses, rel=1e-5)
+    assert by_id["loss"].isna().sum() == 8
 
 
 def test_exact_variant_uses_losses_after_the_theta_step(tiny_model, tables, tmp_path):
@@ -150,20 +162,25 @@ def test_exact_variant_uses_losses_after_the_theta_step(tiny_model, tables, tmp_
 def test_bds_loop_writes_weights_and_resume_restores_omega_exactly(tiny_model, tables, tmp_path):
     # 10 candidates, cand_batch 2 -> 5 steps/epoch; 7 steps cross into epoch 1; checkpoints at 3, 6, 7.
     cfg = _cfg(max_steps=7, checkpoint_every_steps=3)
-    straight_job = _job(tables, tiny_model, str(tmp_path / "straight"), cfg)
+    straight_job = _job(tables, tiny_model, str(tmp_path / "straight"), cfg, omega_optimizer="sparse_adam")
     straight = bt.bds_train_loop(straight_job, LocalSession(str(tmp_path / "ckpt_a")))
 
-    resumed_job = _job(tables, tiny_model, str(tmp_path / "resumed"), cfg)
+    resumed_job = _job(tables, tiny_model, str(tmp_path / "resumed"), cfg, omega_optimizer="sparse_adam")
     with pytest.raises(Crash):  # dies right after the step-3 checkpoint
         bt.bds_train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b"), crash_after_checkpoints=1))
     saved = bt.load_omega_state(os.path.join(tmp_path / "ckpt_b", "step_00003", bt.OMEGA_STATE_FILE),
                                 bt.ids_digest(load_token_table(tables[0]).ids))
     assert saved.adam.step == 3 and np.any(saved.omega != 0)
+    assert saved.adam.row_steps.sum() == 6 and (saved.first_step >= 0).sum() == 6  # 3 steps x 2 distinct rows
+    assert np.isfinite(saved.last_loss).sum() == 6
 
     with LocalSession(str(tmp_path / "ckpt_b")).restore_dir() as path:
         loop = bt._restore(path, read_trainer_state(path), 10, bt.ids_digest(load_token_table(tables[0]).ids))
     assert np.array_equal(loop.omega.omega, saved.omega)  # bit for bit
     assert np.array_equal(loop.omega.adam.exp_avg_sq, saved.adam.exp_avg_sq)
+    assert np.array_equal(loop.omega.adam.row_steps, saved.adam.row_steps)
+    assert np.array_equal(loop.omega.first_step, saved.first_step)
+    assert np.array_equal(loop.omega.last_loss, saved.last_loss, equal_nan=True)
     assert loop.train.step == 3 and len(loop.curves.gamma_per_step) == 3 and loop.online is None
     resumed = bt.bds_train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b")))
 
@@ -173,6 +190,7 @@ def test_bds_loop_writes_weights_and_resume_restores_omega_exactly(tiny_model, t
     a = pq.read_table(os.path.join(straight_job.output_dir, bt.WEIGHTS_FILE)).to_pandas()
     b = pq.read_table(os.path.join(resumed_job.output_dir, bt.WEIGHTS_FILE)).to_pandas()
     assert np.allclose(a["omega"], b["omega"], rtol=0, atol=1e-12)
+    assert a["first_step"].tolist() == b["first_step"].tolist()
     # Two snapshots: end of epoch 0 (step 5) and the last step (7, in epoch 1).
     assert a["epoch"].tolist() == [0] * 10 + [1] * 10 and a["step"].tolist() == [5] * 10 + [7] * 10
     for _, snap in a.groupby("step"):

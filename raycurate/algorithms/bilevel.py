@@ -7,9 +7,14 @@ Paper: bilevel-data-curation (eqs. 2, 5, 8-10, Lemma 4, Corollary 5, Algorithm 1
   mean 1 and sum N; a uniform omega gives every example weight exactly 1).
 * Penalty objective: ``L_val(theta) + gamma/N * sum_i sigma_i(omega) L_i(theta)`` with ``gamma = rho/(1 - rho)``;
   a mini-batch of B candidates estimates the second term without bias by ``gamma * mean_b(sigma_b * l_b)``.
-* omega step (eq. 5b): :func:`omega_gradient` (exact gradient of that estimate through the full softmax) followed by
-  :func:`adam_update` (paper: Adam, lr 1e-4) or :func:`sgd_update`; float64 numpy and pure, so the same inputs give
-  bit-identical outputs on every worker.
+* omega step (eq. 5b): :func:`update_omega` dispatches on :data:`OMEGA_OPTIMIZERS`.  ``sgd`` and ``adam`` take the
+  exact mini-batch gradient through the full softmax (:func:`omega_gradient`, which gives every unsampled logit a
+  small same-sign coupling term) and apply :func:`sgd_update` / :func:`adam_update`; ``sparse_sgd`` and
+  ``sparse_adam`` take the sampled-row estimator :func:`sampled_omega_gradient` (same expectation over the batch
+  draw, zero on unsampled rows) and apply :func:`sparse_sgd_update` / :func:`sparse_adam_update` (moments and step
+  counts of the sampled rows only).  Dense ``adam`` (the paper's) records the sampling order instead of the loss
+  signal (SPEC §6; kept only as the faithful reproduction).  Everything is float64 numpy and pure, so the same
+  inputs give bit-identical outputs on every worker.
 * BMO (Algorithm 1, eq. 8-10): :func:`importance_weights` of generated responses, :func:`masked_questions_fixed` /
   :func:`masked_questions_dynamic` for the masked question set, and :func:`response_mask_from_prompt` for the
   response positions of a left-padded generation batch.
@@ -30,7 +35,12 @@ import torch
 from raycurate.algorithms.losses import token_losses
 
 OMEGA_VARIANTS = ("exact", "detached")
-OMEGA_OPTIMIZERS = ("adam", "sgd")
+OMEGA_OPTIMIZERS = ("sgd", "sparse_sgd", "sparse_adam", "adam")
+"""omega optimizers: dense-gradient SGD, sampled-row SGD / Adam (signal preserving), dense Adam (the paper's, records
+the sampling order; faithful reproduction only)."""
+SPARSE_OPTIMIZERS = ("sparse_sgd", "sparse_adam")
+OMEGA_BASELINES = ("median", "mean")
+"""Baseline of the sampled-row estimator: the median of the rest of the batch (robust) or the unbiased mean."""
 OmegaVariant = Literal["exact", "detached"]
 IMPORTANCE_MODES = ("clip", "self_normalize")
 
@@ -169,24 +179,93 @@ def omega_gradient(
     return grad * (gamma / idx.size)
 
 
+def sampled_omega_gradient(
+    omega: np.ndarray, batch_idx: np.ndarray, batch_losses: np.ndarray, gamma: float, baseline: str = "mean"
+) -> np.ndarray:
+    """Sampled-row estimator of the omega gradient: nonzero only on the B sampled logits (for sparse optimizers).
+
+    The exact mini-batch gradient (:func:`omega_gradient`) puts the softmax normalisation on every logit: each
+    unsampled j gets ``-gamma/B p_j S``.  Over the batch draw (B distinct rows, uniformly without replacement) its
+    expectation is the full-data gradient ``gamma/N sigma_j (l_j - Lbar)`` with ``Lbar = sum_i p_i l_i``, the
+    sigma-weighted mean loss.  This estimator has the same expectation but keeps the normalisation on the sampled
+    rows, as a baseline subtracted from their own loss::
+
+        g_j = gamma/B * sigma_j (l_j - beta_j)   for sampled j,   0 otherwise,
+        beta_j = (sigma_j l_j + (N - 1)/(B - 1) * sum_{b != j} sigma_b l_b) / N,
+
+    so ``E[1{j sampled} beta_j] = (B/N) Lbar`` exactly and ``E[g] = E[omega_gradient]`` for every logit (checked by
+    enumerating all batches in the tests).  ``beta_j`` is about the leave-one-out batch mean of ``sigma l``: each
+    sampled row is judged against the rows sampled with it, at the same theta, so a loss that drifts down while
+    theta trains does not leak into omega, and a per-coordinate optimizer never sees the coupling term of rows
+    it has not sampled.
+
+    ``baseline="median"`` replaces ``beta_j`` by the median of ``sigma_b l_b`` over the rest of the batch.  SFT
+    losses are heavy-tailed (one off-topic row can cost 10x a typical one), and a mean baseline lets such a row
+    raise every batch-mate's omega.  The expected update then differs from the exact gradient's by
+    ``gamma/N sigma_j (Lbar - m)`` (m: the expected median), a step proportional to sigma_j: a shared shift of all
+    logits, which softmax ignores, while the weights are near uniform, and second order in their spread otherwise.
+
+    Args:
+        omega: (N,) data logits.
+        batch_idx: (B,) distinct sampled candidate indices, B >= 2.
+        batch_losses: (B,) their per-example losses.
+        gamma: Penalty constant gamma_k.
+        baseline: ``"mean"`` (exact expectation) or ``"median"`` (robust), see :data:`OMEGA_BASELINES`.
+
+    Returns:
+        (B,) float64 gradient components of the sampled logits, in ``batch_idx`` order.
+    """
+    omega = _as_logits(omega)
+    idx = _check_indices(batch_idx, omega.size)
+    losses = np.asarray(batch_losses, dtype=np.float64)
+    if losses.shape != idx.shape:
+        raise ValueError(f"batch_losses has shape {losses.shape} but batch_idx has {idx.shape}; pass one loss per "
+                         "sampled candidate")
+    if idx.size < 2 or np.unique(idx).size != idx.size:
+        raise ValueError(f"the sampled-row omega gradient needs >= 2 distinct candidates per step (got {idx.size} "
+                         f"indices, {np.unique(idx).size} distinct); raise the candidate batch or use a dense "
+                         "optimizer (sgd)")
+    if not np.all(np.isfinite(losses)):
+        raise ValueError("batch_losses holds non-finite values; check the candidate forward pass (fp overflow?)")
+    n, b = omega.size, idx.size
+    sigma = data_weights(omega)[idx]  # (B,)
+    sigma_l = sigma * losses  # (B,)
+    if baseline == "mean":
+        others = sigma_l.sum() - sigma_l  # (B,) sum over the other sampled rows
+        beta = (sigma_l + (n - 1) / (b - 1) * others) / n  # (B,)
+    elif baseline == "median":
+        rest = ~np.eye(b, dtype=bool)  # (B, B) row j: every batch-mate but j
+        beta = np.median(np.broadcast_to(sigma_l, (b, b))[rest].reshape(b, b - 1), axis=1)  # (B,)
+    else:
+        raise ValueError(f"unknown omega baseline {baseline!r}; use one of {OMEGA_BASELINES}")
+    return gamma / b * sigma * (losses - beta)
+
+
 @dataclass(frozen=True)
 class AdamState:
     """Adam moments of the data logits (float64).
 
     Attributes:
-        step: Updates applied so far.
+        step: Updates applied so far (dense Adam's bias-correction count).
         exp_avg: (N,) first moment.
         exp_avg_sq: (N,) second moment.
+        row_steps: (N,) int64 updates each logit received (sparse Adam's per-row bias-correction count); zeros
+            for dense Adam.
     """
 
     step: int
     exp_avg: np.ndarray
     exp_avg_sq: np.ndarray
+    row_steps: np.ndarray | None = None
 
     @classmethod
     def zeros(cls, n: int) -> AdamState:
         """The state before the first update."""
-        return cls(0, np.zeros(n, dtype=np.float64), np.zeros(n, dtype=np.float64))
+        return cls(0, np.zeros(n, dtype=np.float64), np.zeros(n, dtype=np.float64), np.zeros(n, dtype=np.int64))
+
+    def counts(self) -> np.ndarray:
+        """(N,) int64 per-row update counts (zeros when the state predates them)."""
+        return np.zeros(self.exp_avg.shape, np.int64) if self.row_steps is None else self.row_steps
 
 
 def adam_update(
@@ -227,7 +306,7 @@ def adam_update(
     exp_avg_sq = b2 * state.exp_avg_sq + (1.0 - b2) * grad * grad
     m_hat = exp_avg / (1.0 - b1**step)
     v_hat = exp_avg_sq / (1.0 - b2**step)
-    return omega - lr * m_hat / (np.sqrt(v_hat) + eps), AdamState(step, exp_avg, exp_avg_sq)
+    return omega - lr * m_hat / (np.sqrt(v_hat) + eps), AdamState(step, exp_avg, exp_avg_sq, state.counts())
 
 
 def sgd_update(omega: np.ndarray, grad: np.ndarray, lr: float) -> np.ndarray:
@@ -250,6 +329,121 @@ def sgd_update(omega: np.ndarray, grad: np.ndarray, lr: float) -> np.ndarray:
     if grad.shape != omega.shape:
         raise ValueError(f"grad has shape {grad.shape} but omega has {omega.shape}")
     return omega - lr * grad
+
+
+def sparse_sgd_update(omega: np.ndarray, batch_idx: np.ndarray, grad_rows: np.ndarray, lr: float) -> np.ndarray:
+    """SGD on the sampled logits only: ``omega[idx] -= lr * grad_rows``; pure.
+
+    Args:
+        omega: (N,) data logits.
+        batch_idx: (B,) distinct sampled indices.
+        grad_rows: (B,) their gradient components (:func:`sampled_omega_gradient`).
+        lr: Step size.
+
+    Returns:
+        (N,) float64 new logits (unsampled ones unchanged).
+    """
+    omega = _as_logits(omega).copy()
+    idx = _check_indices(batch_idx, omega.size)
+    omega[idx] -= lr * np.asarray(grad_rows, dtype=np.float64)
+    return omega
+
+
+def sparse_adam_update(
+    omega: np.ndarray,
+    batch_idx: np.ndarray,
+    grad_rows: np.ndarray,
+    state: AdamState,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> tuple[np.ndarray, AdamState]:
+    """Adam on the sampled logits only ("lazy" Adam); pure and float64.
+
+    The sampled rows' moments and step counts advance (``t_j += 1``, bias correction with each row's own ``t_j``);
+    every other row keeps its moments and its logit.  So a logit moves only when its own example was seen, and
+    by an amount set by its own gradient history -- never by the coupling term of somebody else's batch.  Note:
+    a row's first update is ``lr * sign(g_j)`` (Adam's first step), so within the first epoch omega separates
+    examples by the sign of ``l_j - beta_j`` only; magnitudes enter from the second sighting on.
+
+    Args:
+        omega: (N,) data logits.
+        batch_idx: (B,) distinct sampled indices.
+        grad_rows: (B,) their gradient components (:func:`sampled_omega_gradient`).
+        state: Moments and per-row step counts before this step.
+        lr: Step size.
+        betas: (b1, b2).
+        eps: Denominator offset.
+
+    Returns:
+        (new omega (N,), new state; ``state.step`` counts calls).
+    """
+    omega = _as_logits(omega).copy()
+    idx = _check_indices(batch_idx, omega.size)
+    grad_rows = np.asarray(grad_rows, dtype=np.float64)
+    if state.exp_avg.shape != omega.shape or grad_rows.shape != idx.shape:
+        raise ValueError(f"omega {omega.shape}, Adam moments {state.exp_avg.shape}, batch_idx {idx.shape} and "
+                         f"grad_rows {grad_rows.shape} do not match; was the state restored for a different "
+                         "candidate table?")
+    b1, b2 = betas
+    exp_avg, exp_avg_sq, row_steps = state.exp_avg.copy(), state.exp_avg_sq.copy(), state.counts().copy()
+    row_steps[idx] += 1
+    exp_avg[idx] = b1 * exp_avg[idx] + (1.0 - b1) * grad_rows
+    exp_avg_sq[idx] = b2 * exp_avg_sq[idx] + (1.0 - b2) * grad_rows * grad_rows
+    t = row_steps[idx]
+    m_hat = exp_avg[idx] / (1.0 - b1**t)
+    v_hat = exp_avg_sq[idx] / (1.0 - b2**t)
+    omega[idx] -= lr * m_hat / (np.sqrt(v_hat) + eps)
+    return omega, AdamState(state.step + 1, exp_avg, exp_avg_sq, row_steps)
+
+
+def update_omega(
+    optimizer: str,
+    omega: np.ndarray,
+    batch_idx: np.ndarray,
+    batch_losses: np.ndarray,
+    gamma: float,
+    state: AdamState,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    baseline: str = "median",
+) -> tuple[np.ndarray, AdamState]:
+    """One omega step (eq. 5b) with optimizer ``optimizer`` (:data:`OMEGA_OPTIMIZERS`); pure, float64.
+
+    * ``sgd``: :func:`omega_gradient` + :func:`sgd_update` (the state passes through).
+    * ``sparse_sgd``: :func:`sampled_omega_gradient` + :func:`sparse_sgd_update`.
+    * ``sparse_adam``: :func:`sampled_omega_gradient` + :func:`sparse_adam_update`.
+    * ``adam``: :func:`omega_gradient` + dense :func:`adam_update` -- the paper's; Adam normalises every unsampled
+      logit's tiny same-sign coupling gradient to a ~+lr step, so omega ends up encoding when each row was first
+      sampled (SPEC §6).  Faithful reproduction only.
+
+    Args:
+        optimizer: One of :data:`OMEGA_OPTIMIZERS`.
+        omega: (N,) data logits.
+        batch_idx: (B,) sampled candidate indices (the gathered batch of all workers).
+        batch_losses: (B,) their losses.
+        gamma: Penalty constant gamma_k.
+        state: Adam state (used by the Adam variants).
+        lr: Step size.
+        betas: Adam betas.
+        eps: Adam eps.
+        baseline: Baseline of the sparse optimizers' sampled-row estimator (:data:`OMEGA_BASELINES`).
+
+    Returns:
+        (new omega (N,), new state).
+    """
+    if optimizer == "sgd":
+        return sgd_update(omega, omega_gradient(omega, batch_idx, batch_losses, gamma), lr), state
+    if optimizer == "adam":
+        return adam_update(omega, omega_gradient(omega, batch_idx, batch_losses, gamma), state, lr, betas, eps)
+    if optimizer == "sparse_sgd":
+        grad = sampled_omega_gradient(omega, batch_idx, batch_losses, gamma, baseline)
+        return sparse_sgd_update(omega, batch_idx, grad, lr), state
+    if optimizer == "sparse_adam":
+        grad = sampled_omega_gradient(omega, batch_idx, batch_losses, gamma, baseline)
+        return sparse_adam_update(omega, batch_idx, grad, state, lr, betas, eps)
+    raise ValueError(f"unknown omega optimizer {optimizer!r}; use one of {OMEGA_OPTIMIZERS}")
 
 
 # --------------------------------------------------------------------------------------------- BMO: importance weights

@@ -40,8 +40,15 @@ def split_rows(run: Any, cfg: Any) -> bool:
         keep = pc.equal(table["split"], bilevel.validation_split)
         return pc.and_(keep, pc.struct_field(table["label"], "clean")) if clean_only else keep
 
+    dropped = near_duplicates(run, cfg)
+
     def candidates(table: Any) -> Any:
-        return pc.equal(table["split"], bilevel.candidate_split)
+        keep = pc.equal(table["split"], bilevel.candidate_split)
+        if dropped:
+            import pyarrow as pa
+
+            keep = pc.and_(keep, pc.invert(pc.is_in(table["id"], value_set=pa.array(dropped))))
+        return keep
 
     def clean_candidates(table: Any) -> Any:
         return pc.and_(candidates(table), pc.struct_field(table["label"], "clean"))
@@ -51,13 +58,31 @@ def split_rows(run: Any, cfg: Any) -> bool:
                         keep=validation, config={"split": bilevel.validation_split, "clean_only": clean_only},
                         force=forced(cfg, "bilevel_validation_rows"))
     filter_tokens_stage(run, "bilevel_candidate_rows", tokens_stage="tokenize",
-                        description=f"split == {bilevel.candidate_split}", keep=candidates,
-                        config={"split": bilevel.candidate_split}, force=forced(cfg, "bilevel_candidate_rows"))
+                        description=f"split == {bilevel.candidate_split}"
+                        + (f", minus {len(dropped)} near-duplicates" if dropped else ""), keep=candidates,
+                        config={"split": bilevel.candidate_split, **({"dropped": dropped} if dropped else {})},
+                        force=forced(cfg, "bilevel_candidate_rows"))
     if labelled:
         filter_tokens_stage(run, "bilevel_clean_candidates", tokens_stage="tokenize",
                             description=f"split == {bilevel.candidate_split} and clean", keep=clean_candidates,
                             config={"split": bilevel.candidate_split}, force=forced(cfg, "bilevel_clean_candidates"))
     return labelled
+
+
+def near_duplicates(run: Any, cfg: Any) -> list[str]:
+    """Candidate ids the optional near-duplicate filter drops (``bilevel.dedup_threshold``; [] when off)."""
+    from raycurate.stages.bilevel_dedup import dedup_stage, flagged_ids
+
+    bilevel = cfg.bilevel
+    if bilevel.dedup_threshold is None:
+        return []
+    if not 0.0 < bilevel.dedup_threshold <= 1.0:
+        raise ValueError(f"bilevel.dedup_threshold={bilevel.dedup_threshold} must lie in (0, 1] (a Jaccard "
+                         "similarity), or be null to keep every candidate")
+    dedup_stage(run, "bilevel_dedup", tokens_stage="tokenize", split_column="split",
+                reference_split=bilevel.validation_split, candidate_split=bilevel.candidate_split,
+                threshold=bilevel.dedup_threshold, seed=bilevel.seed, force=forced(cfg, "bilevel_dedup"))
+    return flagged_ids(run, "bilevel_dedup")
 
 
 def adapter_spec(bilevel: Any) -> dict | None:

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from raycurate.algorithms.metrics import auroc
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir, stage_hash
 from raycurate.stages.bridge import read_token_rows
@@ -141,7 +142,8 @@ def bds_settings(bilevel: Any, train_cfg: Any, online: bool) -> Any:
 
     val_batch = bilevel.val_batch if bilevel.val_batch is not None else train_cfg.effective_batch_size // 2
     return BDSSettings(
-        omega_lr=bilevel.omega_lr, omega_optimizer=bilevel.omega_optimizer, rho0=bilevel.rho0,
+        omega_lr=bilevel.omega_lr, omega_optimizer=bilevel.omega_optimizer, omega_baseline=bilevel.omega_baseline,
+        rho0=bilevel.rho0,
         rho_step=bilevel.rho_step, rho_max=bilevel.rho_max, val_batch=val_batch,
         cand_batch=train_cfg.effective_batch_size - val_batch, variant=bilevel.variant, seed=bilevel.seed,
         generation_every=bilevel.generation_every if online else None, importance=bilevel.importance,
@@ -356,12 +358,20 @@ def loss_eval_stage(run: RunDir, stage: str, *, model_stage: str, tokens_stage: 
     return run_stage(run, stage, body, config={}, upstream=[model_stage, tokens_stage], force=force)
 
 
-def weight_analysis(run: RunDir, bds_stage_name: str, candidate_stage: str, top: int = 5) -> dict:
-    """sigma(omega) of the last snapshot by ground-truth label: AUROC clean vs corrupted, histograms, extremes."""
+def weight_analysis(run: RunDir, bds_stage_name: str, candidate_stage: str, top: int = 5, seed: int = 0) -> dict:
+    """sigma(omega) of the last snapshot by ground-truth label, and the sampling-order diagnostic.
+
+    Keys: ``snapshot_step``, ``candidates``, ``top``/``bottom`` (extremes); with labels also ``auroc`` (sigma, clean
+    vs corrupted) with ``auroc_ci95`` (seeded per-class bootstrap of the rows), ``auroc_by_kind`` (clean vs each
+    ``label.corruption``, with counts), ``auroc_excluding_near_duplicate``, ``weights_by_label`` and
+    ``auroc_neg_loss`` (AUROC of minus each row's latest omega loss: the loss-based score BDS can at best
+    reproduce); and ``spearman_first_step``, Spearman(omega, the step each row was first sampled) -- near +-1
+    means omega records the sampling order instead of data quality (SPEC §6).
+    """
     import numpy as np
     import pyarrow.parquet as pq
 
-    from raycurate.algorithms.metrics import auroc
+    from raycurate.algorithms.fidelity import spearman
 
     weights = pq.read_table(output_path(run, bds_stage_name, "weights")).to_pylist()
     last = max(w["step"] for w in weights)
@@ -371,10 +381,22 @@ def weight_analysis(run: RunDir, bds_stage_name: str, candidate_stage: str, top:
     ids = sorted(final)
     sigma = np.array([final[i]["sigma"] for i in ids])
     info: dict[str, Any] = {"snapshot_step": int(last), "candidates": len(ids)}
+    if "first_step" in weights[0]:
+        omega = np.array([final[i]["omega"] for i in ids])
+        first = np.array([final[i]["first_step"] for i in ids])
+        seen = first >= 0
+        info["spearman_first_step"] = spearman(omega[seen], first[seen]) if seen.sum() > 1 else None
+        info["sampled_candidates"] = int(seen.sum())
     clean = [labels.get(i, {}).get("clean") for i in ids]
     if all(c is not None for c in clean) and 0 < sum(map(bool, clean)) < len(clean):
         flags = np.array(clean, dtype=bool)
-        info["auroc"] = auroc(sigma, flags)
+        kinds = np.array([labels[i].get("corruption") or ("none" if labels[i]["clean"] else "unknown") for i in ids])
+        info.update(label_separation(sigma, flags, kinds, seed))
+        if "loss" in weights[0]:
+            loss = np.array([final[i]["loss"] for i in ids], dtype=np.float64)
+            known = np.isfinite(loss)
+            if 0 < flags[known].sum() < known.sum():
+                info["auroc_neg_loss"] = auroc(-loss[known], flags[known])
         info["weights_by_label"] = {"clean": sigma[flags].tolist(), "corrupted": sigma[~flags].tolist()}
     order = np.argsort(-sigma, kind="stable")
 
@@ -386,6 +408,42 @@ def weight_analysis(run: RunDir, bds_stage_name: str, candidate_stage: str, top:
     info["top"] = [describe(i) for i in order[:top]]
     info["bottom"] = [describe(i) for i in order[::-1][:top]]
     return info
+
+
+def label_separation(scores: Any, clean: Any, kinds: Any, seed: int, resamples: int = 1000) -> dict:
+    """How well ``scores`` (N,) rank the clean rows above the corrupted ones: overall, per corruption kind and
+    without near-duplicates, each AUROC with a seeded 95% bootstrap interval.
+
+    Args:
+        scores: (N,) scores, higher = more likely clean.
+        clean: (N,) bool ground truth.
+        kinds: (N,) str corruption kind (``"none"`` on clean rows).
+        seed: Seed of the bootstrap generator.
+        resamples: Bootstrap resamples per interval.
+
+    Returns:
+        ``auroc``, ``auroc_ci95``, ``auroc_by_kind`` ({kind: {auroc, ci95, rows}}) and, when there are
+        near-duplicates and other corruptions, ``auroc_excluding_near_duplicate`` (+ ``_ci95``).
+    """
+    import numpy as np
+
+    from raycurate.algorithms.metrics import auroc_by_kind, bootstrap_auroc_ci
+
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {"auroc": auroc(scores, clean),
+                           "auroc_ci95": list(bootstrap_auroc_ci(scores, clean, rng, resamples))}
+    by_kind = {}
+    for kind, value in auroc_by_kind(scores, np.where(clean, "none", kinds)).items():
+        rows = clean | (kinds == kind)
+        by_kind[kind] = {"auroc": value, "rows": int((kinds[~clean] == kind).sum()),
+                         "ci95": list(bootstrap_auroc_ci(scores[rows], clean[rows], rng, resamples))}
+    out["auroc_by_kind"] = by_kind
+    keep = kinds != "near_duplicate"
+    if (~keep).any() and (~clean[keep]).any():
+        out["auroc_excluding_near_duplicate"] = auroc(scores[keep], clean[keep])
+        out["auroc_excluding_near_duplicate_ci95"] = list(bootstrap_auroc_ci(scores[keep], clean[keep], rng,
+                                                                             resamples))
+    return out
 
 
 def _label_columns(run: RunDir, stage: str) -> list[str]:

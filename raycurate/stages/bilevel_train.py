@@ -22,8 +22,9 @@ sessions, checkpoints, ``export_hf``) and the pure math of :mod:`raycurate.algor
 3. omega step: the candidates' losses at theta^{k+1} (a no-grad forward of the same rows after the step; variant
    ``exact``) or at theta^k from step 2's forward (variant ``detached``, BIPOST's cheaper form); the
    ``(index, loss)`` pairs of all ranks are all-gathered in rank order, and every rank applies the same float64
-   :func:`~raycurate.algorithms.bilevel.omega_gradient` + :func:`~raycurate.algorithms.bilevel.adam_update`, so
-   omega is bit-identical everywhere (checked at every checkpoint and at the end; a mismatch is an error).
+   :func:`~raycurate.algorithms.bilevel.update_omega` (``omega_optimizer``: ``sgd``, ``sparse_sgd``,
+   ``sparse_adam`` or the paper's dense ``adam``), so omega is bit-identical everywhere (checked at every
+   checkpoint and at the end; a mismatch is an error).
 
 Decisions:
 
@@ -33,12 +34,15 @@ Decisions:
 * ``val_batch + cand_batch`` must equal ``train.effective_batch_size`` and each must be a multiple of the number of
   workers, so the engines' micro-batch and accumulation arithmetic stays that of SFT.
 * Checkpoints hold the engine state, ``trainer_state.json`` and, written by rank 0, ``omega_state.npz`` (omega, its
-  Adam moments, the per-epoch omega history and a digest of the candidate ids) plus ``bds_state.json`` (per-step
+  Adam moments and per-row step counts, the per-epoch omega history, each row's first-sample step and latest
+  omega loss, and a digest of the candidate ids) plus ``bds_state.json`` (per-step
   curves); a resumed run restores omega bit for bit and continues with the same rows.
 * Outputs in ``output_dir``: the HF model (merged, plus ``adapter/``, when an adapter was trained), tokenizer files,
   ``train_metrics.json`` and ``weights.parquet`` with one row per (candidate, snapshot): ``id``, ``omega``,
-  ``sigma``, ``rank`` (1 = largest weight; ties by id order), ``epoch`` and ``step`` of the snapshot.  Snapshots are
-  taken at the end of every epoch and after the last step.
+  ``sigma``, ``rank`` (1 = largest weight; ties by id order), ``epoch`` and ``step`` of the snapshot,
+  ``first_step`` (the 0-based step at which the row was first sampled, -1 if not yet) and ``loss`` (the row's
+  latest omega loss as of the snapshot, NaN if not yet sampled), the diagnostics of the sampling-order artefact.
+  Snapshots are taken at the end of every epoch and after the last step.
 * Online BMO (Algorithm 1): a :class:`GenerationHook` returns G responses (with generation-time log-probs) for
   the masked questions every ``generation_every`` steps; from then on a sampled masked question trains on them as
   one slot -- loss ``1/G sum_g r_g l_g`` with importance weights ``r`` (``importance``: per-token clipped ratio or
@@ -101,8 +105,10 @@ class BDSSettings:
     """Bilevel settings of one BDS run (theta's own settings live in :class:`TrainConfig`; paper lr 5e-6).
 
     Attributes:
-        omega_lr: Step size of the data logits (paper: Adam, 1e-4).
-        omega_optimizer: ``"adam"`` (paper) or ``"sgd"`` (keeps the loss magnitude, see ``bilevel.sgd_update``).
+        omega_lr: Step size of the data logits (paper: Adam, 1e-4; SGD needs about cand_batch / gamma).
+        omega_optimizer: One of :data:`raycurate.algorithms.bilevel.OMEGA_OPTIMIZERS`; ``"adam"`` is the paper's
+            dense Adam, which records the sampling order (SPEC §6).
+        omega_baseline: Baseline of the sparse optimizers (:data:`raycurate.algorithms.bilevel.OMEGA_BASELINES`).
         omega_betas: Adam betas of the data logits.
         omega_eps: Adam eps of the data logits.
         rho0: rho of epoch 0; gamma = rho / (1 - rho).
@@ -117,8 +123,9 @@ class BDSSettings:
         importance_clip: Ratio bound of ``"clip"`` (ratios are truncated to [1/clip, clip]).
     """
 
-    omega_lr: float = 1e-4
-    omega_optimizer: str = "adam"
+    omega_lr: float = 100.0
+    omega_optimizer: str = "sparse_sgd"
+    omega_baseline: str = "median"
     omega_betas: tuple[float, float] = (0.9, 0.999)
     omega_eps: float = 1e-8
     rho0: float = 0.1
@@ -179,12 +186,18 @@ def check_bds_batches(cfg: TrainConfig, bds: BDSSettings, world_size: int) -> in
     if bds.omega_optimizer not in bilevel.OMEGA_OPTIMIZERS:
         raise ValueError(f"bds.omega_optimizer={bds.omega_optimizer!r} is unknown; use one of "
                          f"{bilevel.OMEGA_OPTIMIZERS}.")
+    if bds.omega_baseline not in bilevel.OMEGA_BASELINES:
+        raise ValueError(f"bds.omega_baseline={bds.omega_baseline!r} is unknown; use one of {bilevel.OMEGA_BASELINES}.")
     if bds.importance not in bilevel.IMPORTANCE_MODES:
         raise ValueError(f"bds.importance={bds.importance!r} is unknown; use one of {bilevel.IMPORTANCE_MODES}.")
     if bds.generation_every is not None and bds.generation_every < 1:
         raise ValueError(f"bds.generation_every={bds.generation_every} must be >= 1 (or null for offline BDS).")
     if bds.val_batch < 1 or bds.cand_batch < 1:
         raise ValueError(f"bds.val_batch={bds.val_batch} and bds.cand_batch={bds.cand_batch} must both be >= 1.")
+    if bds.omega_optimizer in bilevel.SPARSE_OPTIMIZERS and bds.cand_batch < 2:
+        raise ValueError(f"bds.omega_optimizer={bds.omega_optimizer!r} centres each sampled row on the others of its "
+                         f"batch, so it needs bds.cand_batch >= 2 (got {bds.cand_batch}); raise the candidate batch "
+                         "or use omega_optimizer=sgd.")
     if bds.val_batch + bds.cand_batch != cfg.effective_batch_size:
         raise ValueError(
             f"bds.val_batch + bds.cand_batch = {bds.val_batch} + {bds.cand_batch} must equal "
@@ -270,6 +283,9 @@ class OmegaState:
         history: (S, N) omega snapshots (end of each epoch, and after the last step).
         history_epoch: (S,) epoch of each snapshot.
         history_step: (S,) optimizer steps done at each snapshot.
+        first_step: (N,) int64 0-based step at which each row was first sampled; -1 = not yet.
+        last_loss: (N,) float64 each row's latest omega loss; NaN = not yet sampled.
+        loss_history: (S, N) ``last_loss`` at each snapshot.
     """
 
     omega: np.ndarray
@@ -277,21 +293,32 @@ class OmegaState:
     history: np.ndarray
     history_epoch: np.ndarray
     history_step: np.ndarray
+    first_step: np.ndarray
+    last_loss: np.ndarray
+    loss_history: np.ndarray
 
     @classmethod
     def fresh(cls, n: int) -> OmegaState:
         """omega = 0 (uniform weights 1), zero moments, no snapshots."""
         return cls(np.zeros(n), bilevel.AdamState.zeros(n), np.zeros((0, n)), np.zeros(0, np.int64),
-                   np.zeros(0, np.int64))
+                   np.zeros(0, np.int64), np.full(n, -1, np.int64), np.full(n, np.nan), np.zeros((0, n)))
 
     def snapshot(self, epoch: int, step: int) -> OmegaState:
-        """A copy with the current omega appended to the history."""
+        """A copy with the current omega (and latest losses) appended to the history."""
         return dataclasses.replace(
             self,
             history=np.concatenate([self.history, self.omega[None, :]]),
             history_epoch=np.append(self.history_epoch, epoch),
             history_step=np.append(self.history_step, step),
+            loss_history=np.concatenate([self.loss_history, self.last_loss[None, :]]),
         )
+
+    def observe(self, step: int, idx: np.ndarray, losses: np.ndarray) -> OmegaState:
+        """A copy recording that rows ``idx`` (B,) were sampled at ``step`` with omega losses ``losses`` (B,)."""
+        first, last = self.first_step.copy(), self.last_loss.copy()
+        first[idx[first[idx] < 0]] = step
+        last[idx] = losses
+        return dataclasses.replace(self, first_step=first, last_loss=last)
 
 
 @dataclass
@@ -309,8 +336,10 @@ class BDSCurves:
 def save_omega_state(path: str, state: OmegaState, candidate_digest: str) -> None:
     """Write ``state`` as an ``.npz`` (float64, exact)."""
     np.savez(path, omega=state.omega, exp_avg=state.adam.exp_avg, exp_avg_sq=state.adam.exp_avg_sq,
-             adam_step=np.int64(state.adam.step), history=state.history, history_epoch=state.history_epoch,
-             history_step=state.history_step, candidate_digest=np.array(candidate_digest))
+             adam_step=np.int64(state.adam.step), adam_row_steps=state.adam.counts(), history=state.history,
+             history_epoch=state.history_epoch, history_step=state.history_step, first_step=state.first_step,
+             last_loss=state.last_loss, loss_history=state.loss_history,
+             candidate_digest=np.array(candidate_digest))
 
 
 def load_omega_state(path: str, candidate_digest: str) -> OmegaState:
@@ -325,18 +354,27 @@ def load_omega_state(path: str, candidate_digest: str) -> OmegaState:
                 f"{path} holds data logits for a different candidate table (ids differ); resume with the same "
                 "candidates or delete the run's storage directory to start from scratch."
             )
-        adam = bilevel.AdamState(int(data["adam_step"]), data["exp_avg"].copy(), data["exp_avg_sq"].copy())
+        missing = {"adam_row_steps", "first_step", "last_loss", "loss_history"} - set(data.files)
+        if missing:
+            raise ValueError(f"{path} predates the sampled-row omega state (no {sorted(missing)}); delete the "
+                             "run's storage directory to start BDS from scratch.")
+        adam = bilevel.AdamState(int(data["adam_step"]), data["exp_avg"].copy(), data["exp_avg_sq"].copy(),
+                                 data["adam_row_steps"].copy())
         return OmegaState(data["omega"].copy(), adam, data["history"].copy(), data["history_epoch"].copy(),
-                          data["history_step"].copy())
+                          data["history_step"].copy(), data["first_step"].copy(), data["last_loss"].copy(),
+                          data["loss_history"].copy())
 
 
 def weights_table(ids: np.ndarray, state: OmegaState) -> Any:
-    """``weights.parquet`` rows: one per (candidate, snapshot) with id, omega, sigma, rank, epoch, step."""
+    """``weights.parquet`` rows: one per (candidate, snapshot) with id, omega, sigma, rank, epoch, step, first_step
+    (-1 = not sampled by then) and loss (latest omega loss by then)."""
     import pyarrow as pa
 
     n = len(ids)
-    columns: dict[str, list[np.ndarray]] = {k: [] for k in ("omega", "sigma", "rank", "epoch", "step")}
-    for omega, epoch, step in zip(state.history, state.history_epoch, state.history_step):
+    columns: dict[str, list[np.ndarray]] = {k: [] for k in ("omega", "sigma", "rank", "epoch", "step",
+                                                            "first_step", "loss")}
+    for omega, epoch, step, loss in zip(state.history, state.history_epoch, state.history_step,
+                                        state.loss_history):
         sigma = bilevel.data_weights(omega)
         order = np.argsort(-sigma, kind="stable")
         rank = np.empty(n, dtype=np.int64)
@@ -346,6 +384,8 @@ def weights_table(ids: np.ndarray, state: OmegaState) -> Any:
         columns["rank"].append(rank)
         columns["epoch"].append(np.full(n, epoch, dtype=np.int64))
         columns["step"].append(np.full(n, step, dtype=np.int64))
+        columns["first_step"].append(np.where(state.first_step < step, state.first_step, -1))
+        columns["loss"].append(loss)
     snapshots = len(state.history)
     return pa.table({
         "id": pa.array(np.tile(ids.astype(str), snapshots).tolist(), type=pa.string()),
@@ -354,6 +394,8 @@ def weights_table(ids: np.ndarray, state: OmegaState) -> Any:
         "rank": pa.array(np.concatenate(columns["rank"]) if snapshots else [], type=pa.int64()),
         "epoch": pa.array(np.concatenate(columns["epoch"]) if snapshots else [], type=pa.int64()),
         "step": pa.array(np.concatenate(columns["step"]) if snapshots else [], type=pa.int64()),
+        "first_step": pa.array(np.concatenate(columns["first_step"]) if snapshots else [], type=pa.int64()),
+        "loss": pa.array(np.concatenate(columns["loss"]) if snapshots else [], type=pa.float64()),
     })
 
 
@@ -675,15 +717,12 @@ def bds_step(ctx: StepContext, omega_state: OmegaState, step: int) -> tuple[Omeg
     # eq. 5b / 10c: omega's coefficient is the candidate loss at theta^{k+1} (exact) or at theta^k (detached).
     omega_losses = no_grad_losses(ctx, cand_slots) if bds.variant == "exact" else cand_losses
     all_idx, all_losses = all_gather_pairs(my_cand, omega_losses, ctx.device)
-    grad = bilevel.omega_gradient(omega_state.omega, all_idx, all_losses, gamma)
-    if bds.omega_optimizer == "sgd":
-        omega, adam = bilevel.sgd_update(omega_state.omega, grad, bds.omega_lr), omega_state.adam
-    else:
-        omega, adam = bilevel.adam_update(omega_state.omega, grad, omega_state.adam, lr=bds.omega_lr,
-                                          betas=tuple(bds.omega_betas), eps=bds.omega_eps)
+    omega, adam = bilevel.update_omega(bds.omega_optimizer, omega_state.omega, all_idx, all_losses, gamma,
+                                       omega_state.adam, bds.omega_lr, tuple(bds.omega_betas), bds.omega_eps,
+                                       bds.omega_baseline)
     stats = StepStats(loss_sum, float(val_losses.sum()), float(cand_losses.sum()), tokens, supervised,
                       float(all_losses.mean()), gamma, sum(not isinstance(x, int) for x in cand_slots))
-    return dataclasses.replace(omega_state, omega=omega, adam=adam), stats
+    return dataclasses.replace(omega_state, omega=omega, adam=adam).observe(step, all_idx, all_losses), stats
 
 
 # --------------------------------------------------------------------------------------------- loop
@@ -763,6 +802,8 @@ def _bds_metrics(job: BDSJob, loop: LoopState, digests: list[str], start_step: i
     metrics.update({
         "method": "bds_online" if loop.online is not None else "bds",
         "variant": job.bds.variant,
+        "omega_optimizer": job.bds.omega_optimizer,
+        "omega_baseline": job.bds.omega_baseline,
         **{k: list(v) for k, v in dataclasses.asdict(loop.curves).items()},
         "masked_questions": len(loop.online.sequences) if loop.online is not None else 0,
         "omega_digests": digests,

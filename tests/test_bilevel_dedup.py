@@ -1,0 +1,105 @@
+"""Near-duplicate filter before BDS (raycurate.stages.bilevel_dedup): shingles, MinHash, LSH pairs, the stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raycurate.rundir import RunDir
+from raycurate.stages.base import StageOutput, output_path, run_stage
+from raycurate.stages.bilevel_dedup import (
+    dedup_stage,
+    duplicate_pairs,
+    earlier_duplicates,
+    flagged_ids,
+    minhash_signatures,
+    word_shingles,
+)
+
+TEXTS = [
+    "Tom buys 3 bags of 4 apples. How many apples? He has 3 * 4 = 12 apples. #### 12",
+    "Write a Python function that returns the square of x. def square(x): return x * x",
+    "Quick question: Tom buys 3 bags of 4 apples. How many apples? He has 3 * 4 = 12 apples. #### 12",
+    "List three colours of the rainbow. - red - orange - yellow",
+]
+
+
+def test_word_shingles_are_lowercased_word_trigrams():
+    assert word_shingles("The cat, the CAT sat") == frozenset({"the cat the", "cat the cat", "the cat sat"})
+    assert word_shingles("two words") == frozenset({"two words"})
+
+
+def test_minhash_agreement_estimates_the_jaccard_similarity():
+    a, c = word_shingles(TEXTS[0]), word_shingles(TEXTS[2])
+    true = len(a & c) / len(a | c)
+    sig = minhash_signatures([TEXTS[0], TEXTS[2]], num_perm=512, seed=1)
+    assert (sig[0] == sig[1]).mean() == pytest.approx(true, abs=0.07)
+    assert np.array_equal(sig, minhash_signatures([TEXTS[0], TEXTS[2]], num_perm=512, seed=1))  # seeded
+
+
+def test_pairs_find_the_perturbed_copy_and_the_earlier_row_is_kept():
+    sig = minhash_signatures(TEXTS, num_perm=64, seed=0)
+    shingles = [word_shingles(t) for t in TEXTS]
+    pairs = duplicate_pairs(sig, shingles, threshold=0.7, bands=16)
+    assert [(i, j) for i, j, _ in pairs] == [(0, 2)]
+    source, similarity = earlier_duplicates(pairs, len(TEXTS))
+    assert source.tolist() == [-1, -1, 0, -1] and 0.7 <= similarity[2] < 1.0
+    with pytest.raises(ValueError, match="divisible"):
+        duplicate_pairs(sig, shingles, threshold=0.7, bands=5)
+
+
+def _tokens(out: Path, rows: list[tuple[str, str, str, str]]) -> StageOutput:
+    (out / "tokens").mkdir()
+    pq.write_table(pa.table({
+        "id": [r[0] for r in rows], "split": [r[1] for r in rows], "prompt": [r[2] for r in rows],
+        "response": [""] * len(rows),
+        "label": pa.array([{"clean": r[3] == "none", "corruption": r[3]} for r in rows],
+                          type=pa.struct([("clean", pa.bool_()), ("corruption", pa.string())])),
+    }), out / "tokens" / "part-00000.parquet")
+    return StageOutput(outputs={"tokens": "tokens"})
+
+
+@pytest.mark.ray
+def test_dedup_stage_flags_later_copies_of_validation_rows_and_of_earlier_candidates(ray_local, tmp_path):
+    run = RunDir(tmp_path / "run")
+    rows = [("v0", "validation", TEXTS[1], "none"),
+            ("c0", "selection", TEXTS[0], "none"),
+            ("c1", "selection", TEXTS[2], "near_duplicate"),  # copies c0
+            ("c2", "selection", TEXTS[1] + " ok", "near_duplicate"),  # copies the validation row
+            ("c3", "selection", TEXTS[3], "none")]
+    run_stage(run, "tok", lambda out: _tokens(out, rows), config={})
+    record = dedup_stage(run, "dedup", tokens_stage="tok", split_column="split", reference_split="validation",
+                         candidate_split="selection", threshold=0.7)
+    table = pq.read_table(output_path(run, "dedup", "duplicates")).to_pylist()
+    assert [(r["id"], r["duplicate"], r["duplicate_of"]) for r in table] == [
+        ("c0", False, ""), ("c1", True, "c0"), ("c2", True, "v0"), ("c3", False, "")]
+    assert flagged_ids(run, "dedup") == ["c1", "c2"]
+    metrics = record["metrics"]
+    assert (metrics["candidates"], metrics["flagged"], metrics["reference_rows"]) == (4, 2, 1)
+    assert metrics["near_duplicate_recall"] == 1.0 and metrics["precision"] == 1.0
+
+
+@pytest.mark.ray
+def test_pipeline_drops_the_flagged_candidates_only_when_asked(ray_local, tmp_path):
+    from raycurate.config.bilevel import BilevelConfig
+    from raycurate.config.schema import JobConfig
+    from raycurate.pipelines.bilevel import near_duplicates, split_rows
+    from raycurate.stages.bridge import read_token_rows
+
+    run = RunDir(tmp_path / "run")
+    rows = [("v0", "validation", TEXTS[1], "none"), ("c0", "selection", TEXTS[0], "none"),
+            ("c1", "selection", TEXTS[2], "near_duplicate"), ("c3", "selection", TEXTS[3], "none")]
+    run_stage(run, "tokenize", lambda out: _tokens(out, rows), config={})
+    off = JobConfig()
+    assert near_duplicates(run, off) == []
+    on = JobConfig(bilevel=BilevelConfig(dedup_threshold=0.7))
+    split_rows(run, on)
+    kept = [r["id"] for r in read_token_rows(output_path(run, "bilevel_candidate_rows", "tokens"), ["id"])]
+    assert kept == ["c0", "c3"]
+    assert run.stage_record("bilevel_dedup")["metrics"]["flagged"] == 1
+    with pytest.raises(ValueError, match="dedup_threshold"):
+        near_duplicates(run, JobConfig(bilevel=BilevelConfig(dedup_threshold=1.5)))
