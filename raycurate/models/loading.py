@@ -37,6 +37,21 @@ def _torch_dtype(dtype: str) -> Any:
     return "auto" if dtype == "auto" else getattr(torch, dtype)
 
 
+EMBEDDED_MODEL = "embedded"
+
+
+def embedded_model_dir() -> str:
+    """Folder of the committed pre-trained base model (package data, see ``raycurate/models/embedded/README.md``)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), EMBEDDED_MODEL)
+
+
+def resolve_model_path(path_or_name: str) -> str:
+    """``"embedded"`` (when no folder of that name exists here) -> :func:`embedded_model_dir`; anything else as is."""
+    if path_or_name == EMBEDDED_MODEL and not os.path.isdir(path_or_name):
+        return embedded_model_dir()
+    return path_or_name
+
+
 def load_model(
     path_or_preset: str,
     *,
@@ -49,7 +64,8 @@ def load_model(
     """Load a causal LM from a local HF checkpoint directory, or build an untrained tiny preset.
 
     Args:
-        path_or_preset: A local checkpoint directory (``config.json`` + weights), or a key of ``TINY_PRESETS``
+        path_or_preset: A local checkpoint directory (``config.json`` + weights), ``"embedded"`` (the committed
+            pre-trained base model, :func:`embedded_model_dir`), or a key of ``TINY_PRESETS``
             (then ``tokenizer`` is required and the weights are a fresh seeded init; use
             :func:`raycurate.models.pretrain.ensure_base_model` for the pre-trained base model).
         dtype: ``"auto"`` (the checkpoint's dtype), ``"float32"`` or ``"bfloat16"``.
@@ -64,6 +80,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     torch_dtype = _torch_dtype(dtype)
+    path_or_preset = resolve_model_path(path_or_preset)
     if is_preset(path_or_preset) and not os.path.isdir(path_or_preset):
         if tokenizer is None:
             raise ValueError(
@@ -101,13 +118,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved in a local checkpoint directory (never downloads).
 
     Args:
-        path: Directory containing ``tokenizer.json`` / ``tokenizer_config.json``.
+        path: Directory containing ``tokenizer.json`` / ``tokenizer_config.json``, or ``"embedded"``.
 
     Returns:
         The tokenizer; its pad token falls back to EOS when the checkpoint defines none.
     """
     from transformers import AutoTokenizer
 
+    path = resolve_model_path(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory {path!r} does not exist; pass a local checkpoint directory")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
