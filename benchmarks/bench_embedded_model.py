@@ -137,6 +137,38 @@ def context_length(model_dir: str, model) -> int:
     return 0
 
 
+def induction_check(model, tokenizer, n_episodes: int = 60, seed: int = 12345) -> tuple[float, float]:
+    """Mean response loss in word-mapping episodes: (key seen earlier in the episode, key first seen).
+
+    A model with induction heads copies the value of a repeated key, so the first number is far below the second.
+    """
+    import random
+
+    from raycurate.data.pretrain_texts import ASSISTANT, END, EOS, USER, mapping_episode
+
+    rng = random.Random(seed)
+    seen_losses, new_losses = [], []
+    for _ in range(n_episodes):
+        ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        spans, seen, keys = [], [], set()
+        for prompt, response in mapping_episode(rng, 10):
+            ids += tokenizer.encode(f"{USER}{prompt}{END}{ASSISTANT}", add_special_tokens=False)
+            start = len(ids)
+            ids += tokenizer.encode(response, add_special_tokens=False)
+            spans.append((start, len(ids)))
+            key = response.split(" -> ")[0]
+            seen.append(key in keys)
+            keys.add(key)
+            ids += tokenizer.encode(f"{END}{EOS}", add_special_tokens=False)
+        input_ids = torch.tensor([ids])
+        with torch.no_grad():
+            logits = model(input_ids=input_ids).logits[0]
+        for span, was_seen in zip(spans, seen):
+            loss = float(-answer_token_logprobs(logits, input_ids[0], span).mean())
+            (seen_losses if was_seen else new_losses).append(loss)
+    return float(np.mean(seen_losses)), float(np.mean(new_losses))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", nargs="?", default=str(EMBEDDED_DIR))
@@ -156,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_flush_denormal(True)
 
     tokenizer = load_tokenizer(args.model_dir)
-    model = load_model(args.model_dir, dtype="float32", attn_implementation="eager").eval()
+    model = load_model(args.model_dir, dtype="float32", attn_implementation="sdpa").eval()
     rows, _ = tokenize_batch(tokenizer, generate_corpus(args.corpus_rows, args.corpus_seed, args.corrupt_fraction),
                              max_length=4096)
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
@@ -185,6 +217,10 @@ def main(argv: list[str] | None = None) -> dict:
     gain = bootstrap(lambda z, c: 1 - c.mean() / z.mean(), [zero, with_clean], args.bootstrap, args.seed)
     penalty = bootstrap(lambda c, b: (b - c).mean(), [with_clean, with_bad], args.bootstrap, args.seed)
     ratio = bootstrap(lambda r, d: r.mean() / d.mean(), [knock[:, 0], knock[:, 1]], args.bootstrap, args.seed)
+    # the ratio is ill-conditioned when the distractor increase is ~0 (or < 0): report both increases and their gap
+    relevant_up = bootstrap(lambda r: r.mean(), [knock[:, 0]], args.bootstrap, args.seed)
+    distractor_up = bootstrap(lambda d: d.mean(), [knock[:, 1]], args.bootstrap, args.seed)
+    gap = bootstrap(lambda r, d: (r - d).mean(), [knock[:, 0], knock[:, 1]], args.bootstrap, args.seed)
     result = {
         "model_dir": args.model_dir, "queries": len(zero), "knockout_rows": len(knock), "knockout": args.knockout,
         "corpus_seed": args.corpus_seed, "corrupt_fraction": args.corrupt_fraction, "seed": args.seed,
@@ -193,15 +229,22 @@ def main(argv: list[str] | None = None) -> dict:
         "icl_gain": gain, "corrupted_demo_penalty": penalty, "relevant_over_distractor_knockout": ratio,
         "knockout_increase_relevant": float(knock[:, 0].mean()),
         "knockout_increase_distractor": float(knock[:, 1].mean()),
+        "knockout_increase_relevant_ci": relevant_up, "knockout_increase_distractor_ci": distractor_up,
+        "knockout_relevant_minus_distractor": gap,
         "context": context_length(args.model_dir, model),
     }
-    for key in ("icl_gain", "corrupted_demo_penalty", "relevant_over_distractor_knockout"):
+    for key in ("icl_gain", "corrupted_demo_penalty", "relevant_over_distractor_knockout",
+                "knockout_increase_relevant_ci", "knockout_increase_distractor_ci",
+                "knockout_relevant_minus_distractor"):
         point, low, high = result[key]
         print(f"{key}: {point:.4f}  95% CI [{low:.4f}, {high:.4f}]")
     print(f"mean answer loss: 0 demos {zero.mean():.4f}, 5 clean {with_clean.mean():.4f}, 5 corrupted "
           f"{with_bad.mean():.4f} ({len(zero)} queries); knock-out increase relevant "
           f"{result['knockout_increase_relevant']:.4f} vs distractor {result['knockout_increase_distractor']:.4f} "
           f"({len(knock)} rows, {args.knockout})")
+    result["induction_seen_key_loss"], result["induction_new_key_loss"] = induction_check(model, tokenizer)
+    print(f"induction check (word-mapping episodes): response loss {result['induction_seen_key_loss']:.4f} when the "
+          f"key appeared earlier vs {result['induction_new_key_loss']:.4f} when new")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     sys.stdout.flush()
