@@ -144,3 +144,22 @@ def test_recipe_reproduces_the_embedded_checkpoints_early_loss():
     recorded = recipe["losses"][:60]
     assert sum(losses[-20:]) / 20 == pytest.approx(sum(recorded[-20:]) / 20, abs=0.05)
     assert losses[0] == pytest.approx(recorded[0], abs=0.01)
+
+
+@needs_checkpoint
+def test_base_model_stage_uses_the_embedded_checkpoint_without_pretraining(tmp_path):
+    from raycurate.config.model import ModelConfig
+    from raycurate.rundir import RunDir
+    from raycurate.stages.model_stages import base_model_stage
+
+    def no_texts():
+        raise AssertionError("the embedded model must not pre-train")
+
+    assert ModelConfig().name_or_path == "embedded"
+    run = RunDir(tmp_path / "run")
+    result = base_model_stage(run, ModelConfig(cache_dir=str(tmp_path / "cache")), pretrain_texts=no_texts,
+                              data_key="unit")
+    info = json.loads((tmp_path / "run" / "base_model" / "base_model.json").read_text())
+    assert info["model_dir"] == os.path.realpath(embedded_model_dir())
+    assert info["pretrain"]["context"] >= 1024 and "losses" not in info["pretrain"]
+    assert result is not None
