@@ -10,12 +10,15 @@ from raycurate.models.tiny import TINY_PRESETS
 
 @dataclass
 class ModelConfig:
-    """Base model: a tiny preset pre-trained on first use and cached, or a local HF checkpoint (SPEC §9)."""
+    """Base model: the committed embedded checkpoint, a tiny preset pre-trained on first use and cached, or a local HF
+    checkpoint (SPEC §9)."""
 
     name_or_path: str = option(
-        "tiny-llama",
-        f"A tiny preset ({', '.join(TINY_PRESETS)}; pre-trained on the clean corpus on first use and cached) "
-        "or a local HF checkpoint directory with config.json, weights and tokenizer files.",
+        "embedded",
+        "embedded (the committed pre-trained base model in raycurate/models/embedded, trained for in-context "
+        f"learning; no pre-training on first use), a tiny preset ({', '.join(TINY_PRESETS)}; pre-trained on the "
+        "clean corpus on first use and cached) or a local HF checkpoint directory with config.json, weights and "
+        "tokenizer files.",
     )
     cache_dir: str = option(".cache/raycurate", "Folder for cached pre-trained tiny base models.")
     pretrain_steps: int = option(300, "Optimizer steps of the tiny preset's pre-training (16 x 128-token blocks each).",

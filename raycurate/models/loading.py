@@ -44,6 +44,21 @@ def _torch_dtype(dtype: str) -> Any:
     return "auto" if dtype == "auto" else getattr(torch, dtype)
 
 
+EMBEDDED_MODEL = "embedded"
+
+
+def embedded_model_dir() -> str:
+    """Folder of the committed pre-trained base model (package data, see ``raycurate/models/embedded/README.md``)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), EMBEDDED_MODEL)
+
+
+def resolve_model_path(path_or_name: str) -> str:
+    """``"embedded"`` (when no folder of that name exists here) -> :func:`embedded_model_dir`; anything else as is."""
+    if path_or_name == EMBEDDED_MODEL and not os.path.isdir(path_or_name):
+        return embedded_model_dir()
+    return path_or_name
+
+
 def load_model(
     path_or_preset: str,
     *,
@@ -56,7 +71,8 @@ def load_model(
     """Load a causal LM from a local HF checkpoint directory, or build an untrained tiny preset.
 
     Args:
-        path_or_preset: A local checkpoint directory (``config.json`` + weights), or a key of ``TINY_PRESETS``
+        path_or_preset: A local checkpoint directory (``config.json`` + weights), ``"embedded"`` (the committed
+            pre-trained base model, :func:`embedded_model_dir`), or a key of ``TINY_PRESETS``
             (then ``tokenizer`` is required and the weights are a fresh seeded init; use
             :func:`raycurate.models.pretrain.ensure_base_model` for the pre-trained base model).
         dtype: ``"auto"`` (the checkpoint's dtype), ``"float32"`` or ``"bfloat16"``.
@@ -71,6 +87,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     torch_dtype = _torch_dtype(dtype)
+    path_or_preset = resolve_model_path(path_or_preset)
     if is_preset(path_or_preset) and not os.path.isdir(path_or_preset):
         if tokenizer is None:
             raise ValueError(
@@ -116,9 +133,12 @@ def check_model_source(name: str, key: str = "model.name_or_path") -> None:
     if is_preset(name):
         return
     path = Path(name)
+    if name == EMBEDDED_MODEL and not path.is_dir():
+        path = Path(resolve_model_path(name))
     if not path.is_dir():
         raise ModelSourceError(
-            f"{key}={name!r} is neither a tiny preset ({', '.join(TINY_PRESETS)}) nor a local checkpoint folder; "
+            f"{key}={name!r} is neither {EMBEDDED_MODEL!r}, a tiny preset ({', '.join(TINY_PRESETS)}) nor a local "
+            "checkpoint folder; "
             "download the checkpoint first (this machine never reaches the hub) and pass its folder")
     missing = []
     config = path / "config.json"
@@ -151,13 +171,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved in a local checkpoint directory (never downloads).
 
     Args:
-        path: Directory containing ``tokenizer.json`` / ``tokenizer_config.json``.
+        path: Directory containing ``tokenizer.json`` / ``tokenizer_config.json``, or ``"embedded"``.
 
     Returns:
         The tokenizer; its pad token falls back to EOS when the checkpoint defines none.
     """
     from transformers import AutoTokenizer
 
+    path = resolve_model_path(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory {path!r} does not exist; pass a local checkpoint directory")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)

@@ -313,3 +313,171 @@ def ensure_base_model(
         finally:
             shutil.rmtree(tmp_dir, ignore_errors=True)
     return final_dir
+
+
+# --------------------------------------------------------------------------------------------- block curriculum
+
+# (share of the steps, block length, blocks per step): 1k tokens per step throughout.  Short blocks first (most
+# updates, cheap, where lookups and induction form), then blocks as long as the longest probe prompt.
+DEFAULT_CURRICULUM: tuple[tuple[float, int, int], ...] = ((0.6, 128, 8), (0.25, 512, 2), (0.15, 1024, 1))
+
+
+def curriculum_schedule(steps: int, phases: tuple[tuple[float, int, int], ...]) -> list[tuple[int, int, int]]:
+    """(steps, block length, batch size) per phase; the shares are rounded so that the steps add up exactly.
+
+    Args:
+        steps: Total optimizer steps.
+        phases: (share of steps, block length, blocks per step) per phase, shares > 0.
+
+    Returns:
+        One (n_steps, max_len, batch_size) per phase, ``sum(n_steps) == steps``.
+    """
+    if steps < len(phases) or not phases or any(share <= 0 for share, _, _ in phases):
+        raise ValueError(f"need steps >= number of phases and positive shares, got steps={steps}, phases={phases}")
+    total = sum(share for share, _, _ in phases)
+    bounds = [round(steps * sum(s for s, _, _ in phases[: i + 1]) / total) for i in range(len(phases))]
+    starts = [0] + bounds[:-1]
+    return [(end - start, length, batch) for start, end, (_, length, batch) in zip(starts, bounds, phases)]
+
+
+def pretrain_curriculum(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    texts: list[str],
+    *,
+    steps: int,
+    phases: tuple[tuple[float, int, int], ...] = DEFAULT_CURRICULUM,
+    lr: float = 3e-3,
+    seed: int = 0,
+    weight_decay: float = 0.1,
+    num_threads: int | None = None,
+    on_step: Callable[[int, int, float], None] | None = None,
+    stop_after: int | None = None,
+) -> list[float]:
+    """Train ``model`` in place with a block-length curriculum under one warm-up/cosine schedule.
+
+    The texts are packed once (BOS + text + EOS); each phase cuts the same stream into its block length.
+
+    Args:
+        model: Causal LM (trained in place, left in eval mode).
+        tokenizer: Its tokenizer.
+        texts: Training documents.
+        steps: Total optimizer steps over all phases.
+        phases: (share of steps, block length, blocks per step) per phase, see :func:`curriculum_schedule`.
+        lr: Peak learning rate.
+        seed: Seed of the block order.
+        weight_decay: AdamW weight decay on matrices and embeddings.
+        num_threads: Torch threads while training; ``None`` keeps the current setting.
+        on_step: Called as ``on_step(step, block_len, loss)`` after every step (logging).
+        stop_after: Stop after this many steps (a prefix of the same run: same schedule, same batches).
+
+    Returns:
+        The training loss of every step run (length ``steps``, or ``stop_after`` when smaller).
+    """
+    import torch
+
+    schedule = curriculum_schedule(steps, phases)
+    stream = pack_token_blocks(tokenizer, texts, 1).flatten()  # (N,)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = _adamw(model, lr, weight_decay)
+    warmup = max(1, steps // 20)
+    device = next(model.parameters()).device
+    losses: list[float] = []
+    model.train()
+    with _torch_threads(num_threads):
+        for n_steps, max_len, batch_size in schedule:
+            n_blocks = stream.numel() // max_len
+            if n_blocks < batch_size:
+                raise ValueError(f"the texts give {n_blocks} blocks of {max_len} tokens, fewer than a batch")
+            blocks = stream[: n_blocks * max_len].view(n_blocks, max_len)
+            for index in _batches(n_blocks, batch_size, n_steps, generator):
+                step = len(losses)
+                if stop_after is not None and step >= stop_after:
+                    break
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * warmup_cosine(step, steps, warmup)
+                input_ids = blocks[index].to(device)  # (B, T)
+                loss = causal_lm_loss(model(input_ids=input_ids, use_cache=False).logits, input_ids)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                losses.append(loss.item())
+                if on_step is not None:
+                    on_step(step, max_len, losses[-1])
+    model.eval()
+    return losses
+
+
+RECIPE_FILE = "recipe.json"
+LOSS_CURVE_FILE = "loss_curve.csv"
+
+
+def recipe_texts(n_episodes: int, seed: int, mix: dict[str, float] | None = None) -> list[str]:
+    """The ICL recipe's pre-training texts (:func:`raycurate.data.pretrain_texts.pretraining_mixture`)."""
+    from raycurate.data.pretrain_texts import pretraining_mixture
+
+    return pretraining_mixture(n_episodes, seed, mix)
+
+
+def build_recipe_checkpoint(
+    out_dir: str,
+    *,
+    preset: str = "tiny-llama-2l",
+    steps: int = 3000,
+    n_episodes: int = 20000,
+    lr: float = 3e-3,
+    seed: int = 0,
+    vocab_size: int = 2048,
+    phases: tuple[tuple[float, int, int], ...] = DEFAULT_CURRICULUM,
+    mix: dict[str, float] | None = None,
+    num_threads: int | None = None,
+    command: str = "",
+    save_every: int = 0,
+) -> dict[str, Any]:
+    """Run the embedded model's recipe: mixture texts -> tokenizer -> curriculum pre-training -> checkpoint.
+
+    Writes weights, config, tokenizer, ``recipe.json`` (settings, command, data hash, losses) and
+    ``loss_curve.csv`` into ``out_dir`` (created), flushing the curve as training goes; with ``save_every`` > 0
+    also a snapshot under ``out_dir/partial`` every that many steps.
+
+    Returns:
+        The recipe record written to ``recipe.json``.
+    """
+    from raycurate.models.tiny import build_tiny_model
+    from raycurate.models.tokenizer import train_tokenizer
+
+    start = time.perf_counter()
+    os.makedirs(out_dir, exist_ok=True)
+    texts = recipe_texts(n_episodes, seed, mix)
+    tokenizer = train_tokenizer(texts, vocab_size=vocab_size, chat_template=True)
+    model = build_tiny_model(preset, tokenizer, seed=seed)
+    curve = open(os.path.join(out_dir, LOSS_CURVE_FILE), "w")
+    curve.write("step,block_len,loss,seconds\n")
+
+    def log_step(step: int, block_len: int, loss: float) -> None:
+        curve.write(f"{step},{block_len},{loss:.5f},{time.perf_counter() - start:.1f}\n")
+        if step % 50 == 0:
+            curve.flush()
+        if save_every and step > 0 and step % save_every == 0:  # a usable snapshot if the run is cut short
+            model.save_pretrained(os.path.join(out_dir, "partial"))
+            tokenizer.save_pretrained(os.path.join(out_dir, "partial"))
+
+    try:
+        losses = pretrain_curriculum(model, tokenizer, texts, steps=steps, phases=phases, lr=lr, seed=seed,
+                                     num_threads=num_threads, on_step=log_step)
+    finally:
+        curve.close()
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    record = {
+        "command": command, "preset": preset, "steps": steps, "n_episodes": n_episodes, "lr": lr, "seed": seed,
+        "vocab_size": len(tokenizer), "phases": [list(p) for p in phases], "mix": mix,
+        "data_sha256": texts_fingerprint(texts), "n_texts": len(texts),
+        "n_parameters": sum(p.numel() for p in model.parameters()),
+        "context": max(length for _, length, _ in phases), "seconds": round(time.perf_counter() - start, 1),
+        "losses": [round(x, 5) for x in losses],
+    }
+    with open(os.path.join(out_dir, RECIPE_FILE), "w") as handle:
+        json.dump(record, handle, indent=1)
+    return record

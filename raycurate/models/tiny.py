@@ -30,6 +30,9 @@ _SHARED_GEOMETRY: dict[str, Any] = {
 TINY_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-llama": ("LlamaConfig", {**_SHARED_GEOMETRY, "rope_theta": 10000.0, "attention_bias": False}),
     "tiny-qwen2": ("Qwen2Config", {**_SHARED_GEOMETRY, "rope_theta": 10000.0, "use_sliding_window": False}),
+    # two layers (induction heads need two; half the compute of tiny-llama), used by the embedded model's recipe
+    "tiny-llama-2l": ("LlamaConfig", {**_SHARED_GEOMETRY, "num_hidden_layers": 2, "rope_theta": 10000.0,
+                                      "attention_bias": False}),
 }
 
 

@@ -18,18 +18,24 @@ log = logging.getLogger("raycurate")
 
 def base_model_stage(run: RunDir, model_cfg: Any, *, pretrain_texts: Any, data_key: str,
                      force: bool = False) -> dict:
-    """Resolve the base model: a local HF checkpoint as is, or a tiny preset pre-trained once and cached.
+    """Resolve the base model: the committed ``embedded`` checkpoint or a local HF checkpoint as is, or a tiny preset
+    pre-trained once and cached.
 
     The stage folder holds a ``model`` symlink to the checkpoint (so a deleted cache makes the stage stale)
     and ``base_model.json`` describing it.
     """
-    from raycurate.models.loading import check_model_source
-    from raycurate.models.pretrain import ensure_base_model
+    from raycurate.models.loading import EMBEDDED_MODEL, check_model_source, resolve_model_path
+    from raycurate.models.pretrain import RECIPE_FILE, ensure_base_model
     from raycurate.models.tiny import TINY_PRESETS
 
     def body(out: Path) -> StageOutput:
         name = model_cfg.name_or_path
-        if name in TINY_PRESETS:
+        if name == EMBEDDED_MODEL and not Path(name).is_dir():
+            model_dir = resolve_model_path(name)  # committed checkpoint: no pre-training on first use
+            if not (Path(model_dir) / "config.json").is_file():
+                raise FileNotFoundError(f"the embedded base model is missing from {model_dir}; reinstall raycurate "
+                                        "or set model.name_or_path to a tiny preset or a checkpoint folder")
+        elif name in TINY_PRESETS:
             model_dir = ensure_base_model(
                 name, model_cfg.cache_dir, pretrain_texts, steps=model_cfg.pretrain_steps,
                 seed=model_cfg.pretrain_seed, vocab_size=model_cfg.vocab_size,
@@ -43,6 +49,9 @@ def base_model_stage(run: RunDir, model_cfg: Any, *, pretrain_texts: Any, data_k
         meta = Path(model_dir) / "pretrain_metadata.json"
         if meta.exists():
             info["pretrain"] = json.loads(meta.read_text())
+        recipe = Path(model_dir) / RECIPE_FILE
+        if recipe.exists():
+            info["pretrain"] = {k: v for k, v in json.loads(recipe.read_text()).items() if k != "losses"}
         (out / "base_model.json").write_text(json.dumps(info, indent=2))
         return StageOutput(outputs={"model": "model", "info": "base_model.json"}, metrics=info)
 
