@@ -95,3 +95,12 @@ def test_sweep_errors_name_the_bad_key(tmp_path):
 
 def test_packaged_demo_job_equals_jobs_demo():
     assert read_yaml(ROOT / "jobs/demo.yaml") == read_yaml(ROOT / "raycurate/config/demo.yaml")
+
+
+def test_proving_ground_job_is_the_demo_over_seeds():
+    demo = read_yaml(ROOT / "jobs/demo.yaml")
+    job = read_yaml(ROOT / "jobs/proving_ground.yaml")
+    assert job.pop("pipeline") == "proving_ground" and job.pop("proving_ground") == {"seeds": [0, 1, 2]}
+    assert job["run"].pop("name") == "proving_ground"
+    demo.pop("pipeline"), demo["run"].pop("name")
+    assert job == demo  # keep the two in step: the proving ground must measure what the demo runs
