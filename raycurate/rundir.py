@@ -63,8 +63,12 @@ def check_stage_name(stage: str) -> str:
 
 
 def inside(root: Path, path: str | Path) -> Path:
-    """``root / path`` resolved, after checking it stays under ``root`` (no ``..`` or absolute escape)."""
-    full = (root / path).resolve()
+    """``root / path`` normalised, after checking it stays under ``root`` (no ``..`` or absolute escape).
+
+    The check is lexical: symlinks are not followed, because raycurate's own outputs may be links that point
+    outside the run on purpose (``base_model/model`` links to the model cache or the committed checkpoint).
+    """
+    full = Path(os.path.normpath(root / path))
     if full != root and not full.is_relative_to(root):
         raise RunDirError(f"path {str(path)!r} points outside the run directory {root}; the manifest was altered "
                           "or written by something else: check where it came from")
@@ -287,7 +291,9 @@ class RunDir:
 
     def relative(self, path: str | Path) -> str:
         """``path`` relative to the run root (how outputs are stored in the manifest)."""
-        return str(inside(self.root, Path(path).resolve()).relative_to(self.root))
+        path = Path(path)
+        located = path.parent.resolve() / path.name  # the final link (e.g. base_model/model) is not followed
+        return str(inside(self.root, located).relative_to(self.root))
 
     def _push_file(self, name: str) -> None:
         if self.remote is not None:

@@ -94,3 +94,18 @@ def test_declared_output_must_exist(tmp_path):
     run = RunDir(tmp_path / "run")
     with pytest.raises(RuntimeError, match="did not write"):
         run_stage(run, "x", lambda out: StageOutput({"f": "missing.txt"}), config={})
+
+
+def test_recorded_links_may_point_outside_but_recorded_paths_may_not_escape(tmp_path):
+    """base_model/model is a link to the model cache outside the run: allowed; a '..' path in a manifest: refused."""
+    from raycurate.rundir import RunDir, RunDirError
+
+    run = RunDir(tmp_path / "run")
+    target = tmp_path / "cache" / "model"
+    target.mkdir(parents=True)
+    (run.root / "base_model").mkdir(parents=True)
+    (run.root / "base_model" / "model").symlink_to(target, target_is_directory=True)
+    assert run.relative(run.root / "base_model" / "model") == "base_model/model"
+    assert run.path_of("base_model/model") == run.root / "base_model" / "model"
+    with pytest.raises(RunDirError, match="outside the run directory"):
+        run.path_of("../cache/model")
