@@ -205,11 +205,13 @@ def _repeat_kv(states: torch.Tensor, n_rep: int) -> torch.Tensor:
     return states[:, :, None].expand(batch, n_kv, n_rep, length, dim).reshape(batch, n_kv * n_rep, length, dim)
 
 
-def _generic_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _generic_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                             softmax_dtype=None, **kwargs):
     """Eager attention for architectures whose modeling file has no ``eager_attention_forward``.
 
     Shapes: query (B, H, Tq, D); key/value (B, H_kv, Tk, D); additive mask (B, 1, Tq, Tk).
-    Returns output (B, Tq, H, D) and weights (B, H, Tq, Tk).
+    Returns output (B, Tq, H, D) and weights (B, H, Tq, Tk). The softmax runs in ``softmax_dtype`` (default
+    float32, like Llama/Qwen2's own eager attention).
     """
     import torch
 
@@ -219,7 +221,7 @@ def _generic_eager_attention(module, query, key, value, attention_mask, scaling=
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, : key.shape[-2]]
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype or torch.float32).to(query.dtype)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()
     return output, weights
@@ -385,16 +387,8 @@ def _precise_eager_attention(module, query, key, value, attention_mask, scaling=
     """
     import torch
 
-    n_rep = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
-    if attention_mask is not None:
-        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
-    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)
-    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
-    output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, Tq, H, D)
-    return output, weights
+    return _generic_eager_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                    softmax_dtype=torch.promote_types(query.dtype, torch.float32))
 
 
 def _register_key_scaled_eager() -> None:

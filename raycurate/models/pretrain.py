@@ -105,6 +105,20 @@ def _batches(n_blocks: int, batch_size: int, steps: int, generator: torch.Genera
         order = order[batch_size:]
 
 
+def _training_step(model: PreTrainedModel, optimizer: Any, input_ids: torch.Tensor, lr: float) -> float:
+    """One clipped AdamW step on the next-token loss of ``input_ids`` (B, T) at learning rate ``lr``; its loss."""
+    import torch
+
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = causal_lm_loss(model(input_ids=input_ids, use_cache=False).logits, input_ids)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
+
+
 @contextlib.contextmanager
 def _torch_threads(num_threads: int | None) -> Iterator[None]:
     import torch
@@ -165,15 +179,8 @@ def pretrain_causal_lm(
         bar = tqdm(_batches(len(blocks), batch_size, steps, generator), total=steps, disable=not progress,
                    desc="pretrain", unit="step")
         for step, index in enumerate(bar):
-            for group in optimizer.param_groups:
-                group["lr"] = lr * warmup_cosine(step, steps, warmup)
-            input_ids = blocks[index].to(device)  # (B, T)
-            loss = causal_lm_loss(model(input_ids=input_ids, use_cache=False).logits, input_ids)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            losses.append(loss.item())
+            losses.append(_training_step(model, optimizer, blocks[index].to(device), lr * warmup_cosine(step, steps,
+                                                                                                         warmup)))
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     return losses
@@ -394,15 +401,8 @@ def pretrain_curriculum(
                 step = len(losses)
                 if stop_after is not None and step >= stop_after:
                     break
-                for group in optimizer.param_groups:
-                    group["lr"] = lr * warmup_cosine(step, steps, warmup)
-                input_ids = blocks[index].to(device)  # (B, T)
-                loss = causal_lm_loss(model(input_ids=input_ids, use_cache=False).logits, input_ids)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                losses.append(loss.item())
+                losses.append(_training_step(model, optimizer, blocks[index].to(device),
+                                             lr * warmup_cosine(step, steps, warmup)))
                 if on_step is not None:
                     on_step(step, max_len, losses[-1])
     model.eval()
