@@ -132,3 +132,17 @@ def test_proving_ground_runs_the_demo_per_seed_and_writes_the_pooled_summary(tmp
     assert oracle["pooled"]["value"] == pytest.approx(0.25) and oracle["seeds_excluding_zero"] == 1
     assert json.loads((tmp_path / "pg" / "proving_ground.json").read_text()) == summary
     assert "seed 5" in (tmp_path / "pg" / "report.html").read_text()
+
+
+def test_bds_weights_show_auroc_with_interval_per_kind_and_the_sampling_order_check(tmp_path):
+    from raycurate.report.curation import selection_quality
+    from raycurate.report.sections import section_bilevel
+
+    bds = {"auroc": 0.8, "auroc_ci95": [0.78, 0.82], "weights_by_label": {"clean": [1.0], "corrupted": [0.5]},
+           "auroc_by_kind": {"truncated": {"auroc": 0.95, "rows": 40, "ci95": [0.9, 0.98]}},
+           "spearman_first_step": 0.02}
+    manifest = {"bilevel": {"methods": {"bds": bds}}}
+    sel = selection_quality(manifest, "bilevel_bds")
+    assert (sel["value"], sel["low"], sel["high"]) == (0.8, 0.78, 0.82)
+    html = section_bilevel(tmp_path, manifest)
+    assert "0.800 [0.780, 0.820]" in html and "truncated" in html and "+0.020" in html

@@ -7,7 +7,6 @@ import pytest
 
 from raycurate.algorithms.stats import (
     Estimate,
-    bootstrap_auroc_ci,
     bootstrap_mean_ci,
     bootstrap_precision_ci,
     gap_closed,
@@ -51,12 +50,6 @@ def test_same_seed_same_interval_and_mismatched_lengths_refused():
     assert bootstrap_mean_ci(x, seed=5) != bootstrap_mean_ci(x, seed=6)
     with pytest.raises(ValueError, match="same items"):
         paired_bootstrap_ci(x, x[:-1])
-
-
-def test_auroc_interval_of_a_perfect_separator_is_one():
-    scores = np.arange(20, dtype=float)
-    est = bootstrap_auroc_ci(scores, scores >= 10, replicates=200)
-    assert (est.value, est.low, est.high) == (1.0, 1.0, 1.0)
 
 
 def test_precision_counts_positives_among_selected():

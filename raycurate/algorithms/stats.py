@@ -8,8 +8,8 @@ Every interval is a percentile bootstrap with an explicit seed, so the same inpu
   what makes the interval much tighter than two independent intervals when the models agree on most items.
 * :func:`stratified_paired_bootstrap_ci` — the same difference pooled over several corpus seeds (each seed its own
   question set): questions are resampled within each seed and the seeds' mean differences are averaged.
-* :func:`bootstrap_auroc_ci` / :func:`bootstrap_precision_ci` — selection quality against ground-truth labels,
-  resampling the candidate rows.
+* :func:`bootstrap_precision_ci` — selection precision against ground-truth labels, resampling the selected rows
+  (AUROC intervals: :func:`raycurate.algorithms.metrics.bootstrap_auroc_ci`).
 * :func:`gap_closed` — the share of the clean-vs-mixed (oracle) gap that a method closes.
 """
 
@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
-
-from raycurate.algorithms.metrics import auroc
 
 DEFAULT_REPLICATES = 2000
 
@@ -118,17 +116,6 @@ def stratified_paired_bootstrap_ci(pairs: list[tuple[np.ndarray, np.ndarray]], *
         replicate_means += d[_resample_indices(len(d), replicates, seed + index)].mean(axis=1)
     point = float(np.mean([d.mean() for d in diffs]))
     return _interval(point, replicate_means / len(diffs), int(sum(len(d) for d in diffs)), level)
-
-
-def bootstrap_auroc_ci(scores: np.ndarray, positives: np.ndarray, *, replicates: int = 1000, seed: int = 0,
-                       level: float = 0.95) -> Estimate:
-    """AUROC of ``scores`` for ``positives`` with an interval from resampling rows (replicates that draw only
-    one class are skipped)."""
-    s, y = _as_vector(scores, "scores"), np.asarray(positives, dtype=bool)
-    point = auroc(s, y)
-    values = [auroc(s[idx], y[idx]) for idx in _resample_indices(len(s), replicates, seed)
-              if 0 < y[idx].sum() < len(idx)]
-    return _interval(point, np.asarray(values), len(s), level)
 
 
 def bootstrap_precision_ci(selected: np.ndarray, positives: np.ndarray, *, replicates: int = DEFAULT_REPLICATES,

@@ -114,9 +114,9 @@ def selection_quality(manifest: dict, model: str) -> dict[str, Any]:
     if model.startswith("bilevel_"):
         info = ((manifest.get("bilevel") or {}).get("methods") or {}).get(model.removeprefix("bilevel_")) or {}
         if info.get("auroc") is not None:
-            ci = info.get("auroc_ci") or {}
-            return {"kind": "AUROC of weights, clean vs corrupted", "value": info["auroc"],
-                    "low": ci.get("low"), "high": ci.get("high"), "budget": info.get("budget", "all rows, weighted")}
+            low, high = info.get("auroc_ci95") or (None, None)
+            return {"kind": "AUROC of weights, clean vs corrupted", "value": info["auroc"], "low": low, "high": high,
+                    "budget": info.get("budget", "all rows, weighted")}
     return {}
 
 

@@ -55,9 +55,13 @@ def section_bilevel(run_dir: Path, manifest: dict) -> str:
         hist = info.get("weights_by_label")
         if hist:
             auroc = info.get("auroc")
+            low, high = info.get("auroc_ci95") or (None, None)
+            interval = f" [{low:.3f}, {high:.3f}]" if low is not None else ""
             parts.append(f"<h3>{esc(method)}</h3><p>sigma(omega) after training by ground-truth label"
-                         + (f"; AUROC clean vs corrupted = {auroc:.3f}" if auroc is not None else "") + ".</p>")
+                         + (f"; AUROC clean vs corrupted = {auroc:.3f}{interval}" if auroc is not None else "")
+                         + ".</p>")
             parts.append(histogram(hist))
+            parts.append(_auroc_by_kind(info))
         for key, title in (("top", "highest-weighted"), ("bottom", "lowest-weighted")):
             rows = info.get(key) or []
             if rows:
@@ -78,6 +82,22 @@ def section_bilevel(run_dir: Path, manifest: dict) -> str:
             [[m, f"{v.get('validation_loss', float('nan')):.4f}", f"{v.get('train_loss', float('nan')):.4f}"]
              for m, v in losses.items()]))
     return "".join(parts)
+
+
+def _auroc_by_kind(info: dict) -> str:
+    """Per-corruption-kind AUROC of the weights and the sampling-order check (empty when not recorded)."""
+    by_kind = info.get("auroc_by_kind") or {}
+    if not by_kind:
+        return ""
+    rows = [[kind, v.get("rows"), f"{v['auroc']:.3f}",
+             "" if not v.get("ci95") else f"[{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}]"]
+            for kind, v in sorted(by_kind.items())]
+    text = "<p>AUROC of the weights, clean rows vs each corruption kind (95% bootstrap intervals).</p>"
+    spearman = info.get("spearman_first_step")
+    if spearman is not None:
+        text += (f"<p>Spearman(omega, step of first sampling) = {spearman:+.3f}: near +-1 would mean the weights "
+                 "record when each row was drawn, not its quality.</p>")
+    return text + table(["corruption", "rows", "AUROC", "95% CI"], rows)
 
 
 def section_lm_eval(run_dir: Path, manifest: dict) -> str:
