@@ -2,7 +2,7 @@
 
 In-process replica of the demo's BRIDGE stages (no Ray), per corpus seed: the embedded corpus (``--corpus-rows``,
 30% corrupted) tokenized with the demo base model's tokenizer and hash-split like ``data.split_ratios``
-(5/5/90); warmup SFT from the base model on the warmup split (1 epoch, AdamW lr 5e-4, batch 32, 5% linear warmup
+(5/5/90); warmup SFT from the base model on the warmup split (1 epoch, AdamW ``--lr``, batch 32, 5% linear warmup
 then cosine, the demo's ``train`` settings); direction v on the validation split (last 4 layers, lambda 0.2).
 Then:
 
@@ -20,8 +20,8 @@ Then:
   is ranked by the exact leave-one-out reference, the exact knock-out, the knock-out derivative and routing:
   whether a faithful proxy can reach the distractor target at all.
 
-The base model is the demo's cached tiny-llama (``ensure_base_model`` with the demo settings, built once into
-``--cache-dir``).  Usage::
+The base model is the demo's committed embedded model (``--model embedded``, default; warmup lr 2e-3 as the
+demo's ``train.lr``, scoring layers capped at its 2) or the old cached tiny-llama (``--model tiny``).  Usage::
 
     python benchmarks/bench_bridge_prompt_side.py [--corpus-seeds 0 1 2] [--select-rows 150] [--fidelity-rows 20]
 
@@ -87,11 +87,11 @@ def warmup_sft(model, rows: list[dict], pad_id: int, seed: int, lr: float = 5e-4
     return loss
 
 
-def direction_for(model, theta_old: dict, rows: list[dict], pad_id: int) -> dict:
+def direction_for(model, theta_old: dict, rows: list[dict], pad_id: int, last_layers: int = 4) -> dict:
     from raycurate.algorithms import token_utility as tu
     from raycurate.algorithms.bridge import pad_rows
 
-    params = tu.scoring_parameters(model, 4)
+    params = tu.scoring_parameters(model, last_layers)
     batches = [pad_rows(rows[i:i + 16], pad_id) for i in range(0, len(rows), 16)]
     g_target = tu.validation_gradient(model, batches, params)
     return tu.scoring_direction(g_target, tu.anchor_direction(params, {k: theta_old[k] for k in params}), lam=0.2)
@@ -249,9 +249,10 @@ def run_seed(corpus_seed: int, args, base_dir: str) -> dict:
     splits = token_splits(tokenizer, corpus_seed, args.corpus_rows)
     model = load_model(base_dir, dtype="float32", device="cpu")
     theta_old = {k: v.detach().clone() for k, v in model.named_parameters()}
-    warm_loss = warmup_sft(model, splits["warmup"], pad_id, seed=corpus_seed)
+    warm_loss = warmup_sft(model, splits["warmup"], pad_id, seed=corpus_seed, lr=args.lr)
     model.eval()
-    direction = direction_for(model, theta_old, splits["validation"][:args.validation_rows], pad_id)
+    direction = direction_for(model, theta_old, splits["validation"][:args.validation_rows], pad_id,
+                              last_layers=min(args.last_layers, model.config.num_hidden_layers))
     order = np.random.default_rng(corpus_seed).permutation(len(splits["selection"]))
     selection = [splits["selection"][i] for i in order]
     labelled = [r for r in selection if r["label"].get("distractor_spans")][:args.select_rows]
@@ -302,12 +303,20 @@ def main() -> None:
     parser.add_argument("--oracle-rows", type=int, default=12, help="labelled rows ranked by the exact references")
     parser.add_argument("--oracle-only", action="store_true", help="only the same-state oracle drop shares")
     parser.add_argument("--cache-dir", default=".cache/raycurate")
+    parser.add_argument("--model", default="embedded",
+                        help="'embedded' (the demo's committed base model), 'tiny' (the old cached tiny-llama) or a "
+                             "checkpoint folder")
+    parser.add_argument("--lr", type=float, default=2e-3, help="warmup SFT lr (the demo's train.lr)")
+    parser.add_argument("--last-layers", type=int, default=4, help="scoring layers L (capped at the model's depth)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
-    base_dir = base_model_dir(args.cache_dir)
+    base_dir = base_model_dir(args.cache_dir) if args.model == "tiny" else args.model
+    if base_dir == "embedded":
+        from raycurate.models.loading import embedded_model_dir
+        base_dir = embedded_model_dir()
     results = []
     for seed in args.corpus_seeds:
         results.append(run_seed(seed, args, base_dir))
