@@ -12,7 +12,10 @@ worker does inside a process group, so it is testable in-process with a session 
   repairs (with the upgrade path).
 * :mod:`~raycurate.training.checkpoint` -- ``TrainState`` and the ONE checkpoint writer/reader of both loops.
 * :mod:`~raycurate.training.session` -- the ``TrainSession`` protocol, resume, worker set-up, fault injection.
+* :mod:`~raycurate.training.collectives` -- sums and gathers over the worker process group.
 * :mod:`~raycurate.training.export` -- the final HF export and the run metrics.
+* :mod:`~raycurate.training.bds_state` / :mod:`~raycurate.training.bds_online` -- BDS's data logits (omega) and
+  online BMO responses, with their checkpoint files.
 
 Importing this package imports nothing heavy; every module imports torch/DeepSpeed inside its functions.
 """
