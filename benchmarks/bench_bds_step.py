@@ -28,7 +28,7 @@ VOCAB = 2048
 
 def token_table(rows: int, length: int, vocab: int, seed: int, prefix: str):
     """An in-memory token table of random rows: a ``length // 2`` prompt side and a supervised response side."""
-    from raycurate.stages.train import TokenTable
+    from raycurate.training.batches import TokenTable
 
     rng = np.random.default_rng(seed)
     tokens = rng.integers(7, vocab, size=rows * length)
@@ -49,7 +49,7 @@ def build_context(args: argparse.Namespace, variant: str):
     from raycurate.models.tiny import build_tiny_model
     from raycurate.models.tokenizer import train_tokenizer
     from raycurate.stages import bilevel_train as bt
-    from raycurate.stages.train import build_engine
+    from raycurate.training.engines import build_engine
 
     rows = generate_corpus(200, seed=args.seed)
     tokenizer = train_tokenizer([r["prompt"] + "\n" + r["response"] for r in rows], vocab_size=VOCAB)
@@ -71,7 +71,7 @@ def build_context(args: argparse.Namespace, variant: str):
 def plain_step(ctx, step: int) -> None:
     """One SFT optimizer step (plain loss, unit weights) on the rows BDS step ``step`` trains on."""
     from raycurate.stages import bilevel_train as bt
-    from raycurate.stages.train import collate, sft_loss
+    from raycurate.training.batches import collate, sft_loss
 
     val, cand = bt.step_rows(step, ctx.num_val, ctx.num_cand, ctx.bds)
     rows, micro = np.concatenate([val, ctx.num_val + cand]), ctx.cfg.micro_batch_size

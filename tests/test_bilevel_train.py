@@ -16,7 +16,10 @@ from train_helpers import VOCAB, Crash, LocalSession, write_tiny_llama
 from raycurate.algorithms import bilevel
 from raycurate.config.train import TrainConfig
 from raycurate.stages import bilevel_train as bt
-from raycurate.stages.train import METRICS_FILE, load_token_table, read_trainer_state
+from raycurate.training import bds_online, bds_state
+from raycurate.training.batches import load_token_table
+from raycurate.training.checkpoint import read_trainer_state
+from raycurate.training.export import METRICS_FILE
 
 # ------------------------------------------------------------------------------------------ fixtures
 
@@ -99,7 +102,7 @@ def _losses_at_init(tiny_model: str, table_path: str, rows: np.ndarray) -> np.nd
     from transformers import AutoModelForCausalLM
 
     from raycurate.algorithms.losses import example_losses
-    from raycurate.stages.train import collate
+    from raycurate.training.batches import collate
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     batch = collate(load_token_table(table_path), rows, pad_id=0)
@@ -132,7 +135,7 @@ def test_first_step_trains_on_the_penalty_loss_and_updates_omega_from_the_gather
         expected = np.zeros(10)
         step = rows / (np.abs(rows) + 1e-8) if optimizer == "sparse_adam" else rows  # Adam: ~lr * sign(g)
         expected[cand_rows] = -0.05 * step
-    weights = pq.read_table(os.path.join(job.output_dir, bt.WEIGHTS_FILE)).to_pandas()
+    weights = pq.read_table(os.path.join(job.output_dir, bds_state.WEIGHTS_FILE)).to_pandas()
     assert weights["omega"].to_numpy() == pytest.approx(expected, rel=1e-5, abs=1e-9)
     assert weights["epoch"].tolist() == [0] * 10 and weights["step"].tolist() == [1] * 10
     assert metrics["omega_optimizer"] == optimizer
@@ -168,14 +171,15 @@ def test_bds_loop_writes_weights_and_resume_restores_omega_exactly(tiny_model, t
     resumed_job = _job(tables, tiny_model, str(tmp_path / "resumed"), cfg, omega_optimizer="sparse_adam")
     with pytest.raises(Crash):  # dies right after the step-3 checkpoint
         bt.bds_train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b"), crash_after_checkpoints=1))
-    saved = bt.load_omega_state(os.path.join(tmp_path / "ckpt_b", "step_00003", bt.OMEGA_STATE_FILE),
-                                bt.ids_digest(load_token_table(tables[0]).ids))
+    saved = bds_state.load_omega_state(os.path.join(tmp_path / "ckpt_b", "step_00003", bds_state.OMEGA_STATE_FILE),
+                                bds_state.ids_digest(load_token_table(tables[0]).ids))
     assert saved.adam.step == 3 and np.any(saved.omega != 0)
     assert saved.adam.row_steps.sum() == 6 and (saved.first_step >= 0).sum() == 6  # 3 steps x 2 distinct rows
     assert np.isfinite(saved.last_loss).sum() == 6
 
     with LocalSession(str(tmp_path / "ckpt_b")).restore_dir() as path:
-        loop = bt._restore(path, read_trainer_state(path), 10, bt.ids_digest(load_token_table(tables[0]).ids))
+        digest = bds_state.ids_digest(load_token_table(tables[0]).ids)
+        loop = bt.restore_loop_state(path, read_trainer_state(path), 10, digest)
     assert np.array_equal(loop.omega.omega, saved.omega)  # bit for bit
     assert np.array_equal(loop.omega.adam.exp_avg_sq, saved.adam.exp_avg_sq)
     assert np.array_equal(loop.omega.adam.row_steps, saved.adam.row_steps)
@@ -187,8 +191,8 @@ def test_bds_loop_writes_weights_and_resume_restores_omega_exactly(tiny_model, t
     assert resumed["start_step"] == 3 and resumed["steps"] == straight["steps"] == 7
     assert resumed["gamma_per_step"] == pytest.approx([0.1 / 0.9] * 5 + [0.2 / 0.8] * 2)
     assert resumed["loss_per_step"] == pytest.approx(straight["loss_per_step"], rel=1e-5)
-    a = pq.read_table(os.path.join(straight_job.output_dir, bt.WEIGHTS_FILE)).to_pandas()
-    b = pq.read_table(os.path.join(resumed_job.output_dir, bt.WEIGHTS_FILE)).to_pandas()
+    a = pq.read_table(os.path.join(straight_job.output_dir, bds_state.WEIGHTS_FILE)).to_pandas()
+    b = pq.read_table(os.path.join(resumed_job.output_dir, bds_state.WEIGHTS_FILE)).to_pandas()
     assert np.allclose(a["omega"], b["omega"], rtol=0, atol=1e-12)
     assert a["first_step"].tolist() == b["first_step"].tolist()
     # Two snapshots: end of epoch 0 (step 5) and the last step (7, in epoch 1).
@@ -198,7 +202,7 @@ def test_bds_loop_writes_weights_and_resume_restores_omega_exactly(tiny_model, t
         assert sorted(snap["rank"]) == list(range(1, 11))
         assert snap.sort_values("rank")["sigma"].is_monotonic_decreasing
         assert snap["omega"].abs().max() > 0
-    assert straight["omega_digests"] == [bt.omega_digest(a[a["step"] == 7]["omega"].to_numpy())]
+    assert straight["omega_digests"] == [bds_state.omega_digest(a[a["step"] == 7]["omega"].to_numpy())]
     with open(os.path.join(resumed_job.output_dir, METRICS_FILE)) as f:
         assert json.load(f)["steps"] == 7
     assert os.path.exists(os.path.join(resumed_job.output_dir, "model.safetensors"))
@@ -216,15 +220,15 @@ def test_lora_adapter_trains_only_the_adapter_and_exports_a_merged_model(tiny_mo
     assert os.path.isdir(os.path.join(job.output_dir, "adapter"))
     merged = AutoModelForCausalLM.from_pretrained(job.output_dir)
     assert not any("lora" in name for name in merged.state_dict())
-    weights = pq.read_table(os.path.join(job.output_dir, bt.WEIGHTS_FILE)).to_pandas()
+    weights = pq.read_table(os.path.join(job.output_dir, bds_state.WEIGHTS_FILE)).to_pandas()
     assert weights["omega"].abs().max() > 0
 
 
 def test_restore_rejects_omega_of_a_different_candidate_table(tmp_path):
     path = str(tmp_path / "omega.npz")
-    bt.save_omega_state(path, bt.OmegaState.fresh(3), bt.ids_digest(np.array(["a", "b", "c"])))
+    bds_state.save_omega_state(path, bds_state.OmegaState.fresh(3), bds_state.ids_digest(np.array(["a", "b", "c"])))
     with pytest.raises(ValueError, match="different candidate table"):
-        bt.load_omega_state(path, bt.ids_digest(np.array(["a", "b", "d"])))
+        bds_state.load_omega_state(path, bds_state.ids_digest(np.array(["a", "b", "d"])))
 
 
 # ------------------------------------------------------------------------------------------ online BMO
@@ -275,8 +279,8 @@ def test_online_with_responses_from_the_current_policy_matches_offline(tiny_mode
     assert sum(online["online_questions_per_step"]) > 0
     assert online["loss_per_step"] == pytest.approx(offline["loss_per_step"], rel=1e-5)
     assert online["omega_loss_per_step"] == pytest.approx(offline["omega_loss_per_step"], rel=1e-5)
-    a = pq.read_table(os.path.join(tmp_path / "off", bt.WEIGHTS_FILE)).column("omega").to_numpy()
-    b = pq.read_table(os.path.join(tmp_path / "on", bt.WEIGHTS_FILE)).column("omega").to_numpy()
+    a = pq.read_table(os.path.join(tmp_path / "off", bds_state.WEIGHTS_FILE)).column("omega").to_numpy()
+    b = pq.read_table(os.path.join(tmp_path / "on", bds_state.WEIGHTS_FILE)).column("omega").to_numpy()
     assert np.allclose(a, b, atol=1e-7)
 
 
@@ -289,13 +293,13 @@ def test_online_responses_are_checkpointed_and_hook_runs_every_k_steps(tiny_mode
                                 generation_hook=_regenerating_hook(tables[0], masked, calls, extra_random=True))
     assert calls == [1, 3]  # before 0-based steps 1 and 3: k = 2, 4 with k mod K_gen = 0
     assert all(np.isfinite(metrics["loss_per_step"])) and all(np.isfinite(metrics["omega_loss_per_step"]))
-    saved = bt.load_online(os.path.join(tmp_path / "c", "step_00005", bt.ONLINE_STATE_FILE))
+    saved = bds_online.load_online(os.path.join(tmp_path / "c", "step_00005", bds_online.ONLINE_STATE_FILE))
     assert saved.step == 3 and sorted(saved.sequences) == masked.tolist()
     assert all(len(seqs) == 2 for seqs in saved.sequences.values())
     ids, mask, old = saved.sequences[3][1]
     assert mask.sum() == 5 and (old[mask == 0] == 0).all() and (old[mask == 1] < 0).all()
     with pytest.raises(ValueError, match="unknown question"):
-        bt.online_from_rows([{"question_id": "nope", "response_ids": [5], "token_logprobs": [-1.0]}],
+        bds_online.online_from_rows([{"question_id": "nope", "response_ids": [5], "token_logprobs": [-1.0]}],
                             load_token_table(tables[0]), 0)
 
 
@@ -317,6 +321,6 @@ def test_omega_is_bit_identical_on_two_deepspeed_workers(ray_local, tiny_model, 
     assert metrics["world_size"] == 2 and metrics["steps"] == 4
     digests = metrics["omega_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]
-    weights = pq.read_table(os.path.join(out, bt.WEIGHTS_FILE)).to_pandas()
+    weights = pq.read_table(os.path.join(out, bds_state.WEIGHTS_FILE)).to_pandas()
     final = weights[weights["step"] == 4]["omega"].to_numpy()
-    assert bt.omega_digest(final) == digests[0] and np.abs(final).max() > 0
+    assert bds_state.omega_digest(final) == digests[0] and np.abs(final).max() > 0

@@ -1,4 +1,5 @@
-"""Imports point down only: cli/config -> pipelines -> stages (the only Ray code) -> algorithms -> models/data."""
+"""Imports point down only: cli/config -> pipelines -> stages (the only Ray code) -> training (torch/DeepSpeed
+training machinery) -> algorithms -> models/data."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "raycurate"
 
 # For each layer, the top-level modules it must never import.
 FORBIDDEN = {
-    "algorithms": {"ray", "raycurate.stages", "raycurate.pipelines", "raycurate.cli", "deepspeed", "vllm"},
-    "models": {"ray", "raycurate.stages", "raycurate.pipelines", "raycurate.cli", "raycurate.algorithms"},
-    "data": {"ray", "raycurate.stages", "raycurate.pipelines", "raycurate.cli", "raycurate.algorithms",
-             "raycurate.models"},
+    "algorithms": {"ray", "raycurate.stages", "raycurate.training", "raycurate.pipelines", "raycurate.cli", "deepspeed",
+                   "vllm"},
+    "models": {"ray", "raycurate.stages", "raycurate.training", "raycurate.pipelines", "raycurate.cli",
+               "raycurate.algorithms"},
+    "data": {"ray", "raycurate.stages", "raycurate.training", "raycurate.pipelines", "raycurate.cli",
+             "raycurate.algorithms", "raycurate.models"},
+    "training": {"ray", "raycurate.stages", "raycurate.pipelines", "raycurate.cli", "vllm"},
     "stages": {"raycurate.pipelines", "raycurate.cli"},
     "pipelines": {"ray", "raycurate.cli"},
-    "report": {"ray", "raycurate.stages", "raycurate.pipelines", "raycurate.cli"},
+    "report": {"ray", "raycurate.stages", "raycurate.training", "raycurate.pipelines", "raycurate.cli"},
 }
 
 
@@ -54,6 +58,18 @@ def test_algorithm_modules_import_no_ray_at_runtime():
         "import sys\n"
         + "".join(f"import raycurate.algorithms.{m}\n" for m in modules)
         + "bad = [m for m in sys.modules if m == 'ray' or m.startswith('ray.') or m.startswith('deepspeed')]\n"
+        + "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+
+
+def test_training_modules_import_no_ray_at_runtime():
+    modules = sorted(p.stem for p in (PACKAGE / "training").glob("*.py") if p.stem != "__init__")
+    assert modules, "no training modules found"
+    code = (
+        "import sys\n"
+        + "".join(f"import raycurate.training.{m}\n" for m in modules)
+        + "bad = [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]\n"
         + "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)

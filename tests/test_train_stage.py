@@ -14,18 +14,11 @@ import torch
 from train_helpers import VOCAB, Crash, LocalSession, write_tiny_llama
 
 from raycurate.config.train import TrainConfig
-from raycurate.stages.deepspeed_config import deepspeed_config, grad_accum_steps
-from raycurate.stages.train import (
-    METRICS_FILE,
-    SFTJob,
-    collate,
-    cosine_with_warmup,
-    epoch_order,
-    load_token_table,
-    micro_batch_rows,
-    total_steps,
-    train_loop,
-)
+from raycurate.stages.train import SFTJob, train_loop
+from raycurate.training.batches import collate, load_token_table
+from raycurate.training.deepspeed_config import deepspeed_config, grad_accum_steps
+from raycurate.training.export import METRICS_FILE
+from raycurate.training.order import cosine_with_warmup, epoch_order, micro_batch_rows, total_steps
 
 # ------------------------------------------------------------------------------------------ fixtures
 
@@ -240,15 +233,15 @@ def test_ddp_two_workers_trains_and_exports(ray_local, tiny_model, token_table, 
 
 
 def test_resync_schedule_puts_an_extended_run_on_its_new_schedule():
-    from raycurate.stages.train import _optimizer_and_schedule, resync_schedule
+    from raycurate.training.engines import optimizer_and_schedule, resync_schedule
 
     model = torch.nn.Linear(2, 2)
-    old_opt, old_sched = _optimizer_and_schedule(model, TrainConfig(lr=1.0, warmup_ratio=0.0), run_steps=2)
+    old_opt, old_sched = optimizer_and_schedule(model, TrainConfig(lr=1.0, warmup_ratio=0.0), run_steps=2)
     for _ in range(2):
         old_opt.step()
         old_sched.step()
     assert old_opt.param_groups[0]["lr"] == pytest.approx(0.0)  # end of the 2-step cosine
-    new_opt, new_sched = _optimizer_and_schedule(model, TrainConfig(lr=0.5, warmup_ratio=0.0), run_steps=4)
+    new_opt, new_sched = optimizer_and_schedule(model, TrainConfig(lr=0.5, warmup_ratio=0.0), run_steps=4)
     new_opt.load_state_dict(old_opt.state_dict())
     new_sched.load_state_dict(old_sched.state_dict())
     resync_schedule(new_sched, 0.5)
@@ -346,7 +339,8 @@ def _zero_cfg(**overrides) -> TrainConfig:
 
 
 def test_needs_universal_resume_only_for_partitioned_shards_of_another_layout():
-    from raycurate.stages.train import TrainState, needs_universal_resume
+    from raycurate.training.checkpoint import TrainState
+    from raycurate.training.session import needs_universal_resume
 
     zero2 = TrainConfig(engine="deepspeed", zero_stage=2)
     assert not needs_universal_resume(None, zero2, 2)
@@ -401,7 +395,7 @@ def test_zero3_param_and_optimizer_offload_resume_on_one_worker(ray_local, tiny_
 @pytest.mark.ray
 def test_killed_worker_restarts_from_the_latest_checkpoint(ray_local, tiny_model, token_table, tmp_path,
                                                            monkeypatch):
-    from raycurate.stages.train import FAULT_ENV
+    from raycurate.training.session import FAULT_ENV
 
     cfg = _zero_cfg(max_steps=4, max_failures=1)
     straight_out = str(tmp_path / "straight")

@@ -55,7 +55,7 @@ class PoolGenerationHook:
     gpus_per_actor: float | None = None
 
     def __call__(self, step: int, omega: Any, module: Any) -> list[dict] | None:
-        from raycurate.stages.bilevel_train import broadcast_from_rank0
+        from raycurate.training.collectives import broadcast_from_rank0
 
         policy = self._save_policy(module, step)  # collective under ZeRO-3
         rows = self._generate(step, omega, policy) if _rank() == 0 else None
@@ -72,7 +72,7 @@ class PoolGenerationHook:
     def _generate(self, step: int, omega: Any, policy: str) -> list[dict]:
         from raycurate.stages.bilevel_train import generation_requests
         from raycurate.stages.generation import write_generations
-        from raycurate.stages.train import load_token_table
+        from raycurate.training.batches import load_token_table
 
         table = load_token_table(self.candidate_table)
         masked = self.masked(omega)

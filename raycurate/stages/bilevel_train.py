@@ -9,9 +9,9 @@ Run it::
                       "runs/x/bds/model", TrainConfig(lr=5e-6, effective_batch_size=8), BDSSettings(),
                       storage_dir="runs/x/ray_train", name="bds")
 
-The worker loop reuses the SFT stage's pieces (:mod:`raycurate.stages.train`: token tables, ``collate``, engines,
-sessions, checkpoints, ``export_hf``) and the pure math of :mod:`raycurate.algorithms.bilevel`.  One optimizer step k
-(paper eq. 5; SPEC §6):
+The worker loop reuses the shared training machinery (:mod:`raycurate.training`: token tables, engines, sessions,
+the checkpoint writer, ``export_hf``, omega state and online responses) and the pure math of
+:mod:`raycurate.algorithms.bilevel`.  One optimizer step k (paper eq. 5; SPEC §6):
 
 1. Sample a validation batch (``val_batch`` rows) and a candidate batch (``cand_batch`` rows) with generators seeded
    by ``(seed, step)`` / ``(seed, epoch)`` -- the same global rows on every rank; rank r trains on the r-th equal
@@ -56,49 +56,47 @@ Decisions:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from raycurate.algorithms import bilevel
 from raycurate.config.train import TrainConfig
-from raycurate.stages.deepspeed_config import grad_accum_steps
-from raycurate.stages.train import (
-    METRICS_FILE,
-    RaySession,
-    TokenTable,
-    TrainSession,
-    TrainState,
-    _all_reduce_sum,
-    _metrics,
-    _should_checkpoint,
-    _to_device,
-    build_resumed_engine,
-    collate,
-    epoch_order,
-    export_hf,
-    launch_trainer,
-    load_token_table,
-    prepare_worker,
-    worker_resources,
-    write_trainer_state,
+from raycurate.stages.train import RaySession, launch_trainer, worker_resources
+from raycurate.training.batches import TokenTable, load_token_table, stack_tables, to_device
+from raycurate.training.bds_online import (
+    ONLINE_STATE_FILE,
+    OnlineResponses,
+    collate_slots,
+    load_online,
+    online_from_rows,
+    prompt_ids,
+    save_online,
 )
+from raycurate.training.bds_state import (
+    BDS_STATE_FILE,
+    OMEGA_STATE_FILE,
+    WEIGHTS_FILE,
+    BDSCurves,
+    OmegaState,
+    ids_digest,
+    load_omega_state,
+    save_omega_state,
+    write_weights,
+)
+from raycurate.training.checkpoint import TrainState, save_checkpoint
+from raycurate.training.collectives import all_gather_pairs, all_reduce_sum, gathered_omega_digests
+from raycurate.training.deepspeed_config import grad_accum_steps
+from raycurate.training.export import METRICS_FILE, export_hf, run_metrics
+from raycurate.training.order import epoch_order, should_checkpoint
+from raycurate.training.session import TrainSession, build_resumed_engine, prepare_worker
 
 logger = logging.getLogger(__name__)
-
-OMEGA_STATE_FILE = "omega_state.npz"
-ONLINE_STATE_FILE = "online_responses.parquet"
-BDS_STATE_FILE = "bds_state.json"
-WEIGHTS_FILE = "weights.parquet"
-
 
 @dataclass
 class BDSSettings:
@@ -164,8 +162,9 @@ class GenerationHook(Protocol):
     asks the generation actor pool (:mod:`raycurate.stages.generation`) for G responses each from the current
     policy (``module``: save its adapter where the actors can read it) and returns the pool's rows
     (``question_id``, ``response_ids``, ``token_logprobs``, ...) -- the same rows on every rank, e.g. generated on
-    rank 0 and shared with :func:`broadcast_from_rank0` -- or None to keep the previous responses.  The loop then
-    trains every masked question on its latest responses (eq. 9-10); see :class:`OnlineResponses`.
+    rank 0 and shared with :func:`~raycurate.training.collectives.broadcast_from_rank0` -- or None to keep the
+    previous responses.  The loop then trains every masked question on its latest responses (eq. 9-10); see
+    :class:`~raycurate.training.bds_online.OnlineResponses`.
     """
 
     def __call__(self, step: int, omega: np.ndarray, module: Any) -> list[dict] | None:
@@ -249,306 +248,11 @@ def rank_slice(rows: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     return rows.reshape(world_size, -1)[rank]
 
 
-def stack_tables(first: TokenTable, second: TokenTable) -> TokenTable:
-    """One table holding ``first``'s rows, then ``second``'s (row ``len(first) + j`` is ``second``'s row j)."""
-    return TokenTable(
-        ids=np.concatenate([first.ids, second.ids]),
-        token_values=np.concatenate([first.token_values, second.token_values]),
-        mask_values=np.concatenate([first.mask_values, second.mask_values]),
-        offsets=np.concatenate([first.offsets, second.offsets[1:] + first.offsets[-1]]),
-        weights=np.concatenate([first.weights, second.weights]),
-    )
-
-
-def ids_digest(ids: np.ndarray) -> str:
-    """sha256 of the candidate ids in table order (ties a checkpoint's omega to its candidate table)."""
-    return hashlib.sha256("\n".join(str(i) for i in ids).encode("utf-8")).hexdigest()
-
-
-def omega_digest(omega: np.ndarray) -> str:
-    """First 13 hex digits of sha256 over omega's float64 bytes (fits a float64 exactly for all-gathering)."""
-    return hashlib.sha256(np.ascontiguousarray(omega, dtype=np.float64).tobytes()).hexdigest()[:13]
-
-
-# --------------------------------------------------------------------------------------------- state
-
-
-@dataclass
-class OmegaState:
-    """The data logits and everything needed to continue updating them.
-
-    Attributes:
-        omega: (N,) float64 data logits.
-        adam: Adam moments of omega.
-        history: (S, N) omega snapshots (end of each epoch, and after the last step).
-        history_epoch: (S,) epoch of each snapshot.
-        history_step: (S,) optimizer steps done at each snapshot.
-        first_step: (N,) int64 0-based step at which each row was first sampled; -1 = not yet.
-        last_loss: (N,) float64 each row's latest omega loss; NaN = not yet sampled.
-        loss_history: (S, N) ``last_loss`` at each snapshot.
-    """
-
-    omega: np.ndarray
-    adam: bilevel.AdamState
-    history: np.ndarray
-    history_epoch: np.ndarray
-    history_step: np.ndarray
-    first_step: np.ndarray
-    last_loss: np.ndarray
-    loss_history: np.ndarray
-
-    @classmethod
-    def fresh(cls, n: int) -> OmegaState:
-        """omega = 0 (uniform weights 1), zero moments, no snapshots."""
-        return cls(np.zeros(n), bilevel.AdamState.zeros(n), np.zeros((0, n)), np.zeros(0, np.int64),
-                   np.zeros(0, np.int64), np.full(n, -1, np.int64), np.full(n, np.nan), np.zeros((0, n)))
-
-    def snapshot(self, epoch: int, step: int) -> OmegaState:
-        """A copy with the current omega (and latest losses) appended to the history."""
-        return dataclasses.replace(
-            self,
-            history=np.concatenate([self.history, self.omega[None, :]]),
-            history_epoch=np.append(self.history_epoch, epoch),
-            history_step=np.append(self.history_step, step),
-            loss_history=np.concatenate([self.loss_history, self.last_loss[None, :]]),
-        )
-
-    def observe(self, step: int, idx: np.ndarray, losses: np.ndarray) -> OmegaState:
-        """A copy recording that rows ``idx`` (B,) were sampled at ``step`` with omega losses ``losses`` (B,)."""
-        first, last = self.first_step.copy(), self.last_loss.copy()
-        first[idx[first[idx] < 0]] = step
-        last[idx] = losses
-        return dataclasses.replace(self, first_step=first, last_loss=last)
-
-
-@dataclass
-class BDSCurves:
-    """Per-step curves that survive a resume (``bds_state.json``)."""
-
-    gamma_per_step: list[float] = field(default_factory=list)
-    val_loss_per_step: list[float] = field(default_factory=list)
-    cand_loss_per_step: list[float] = field(default_factory=list)
-    omega_loss_per_step: list[float] = field(default_factory=list)
-    online_questions_per_step: list[int] = field(default_factory=list)
-    generation_steps: list[int] = field(default_factory=list)
-
-
-def save_omega_state(path: str, state: OmegaState, candidate_digest: str) -> None:
-    """Write ``state`` as an ``.npz`` (float64, exact)."""
-    np.savez(path, omega=state.omega, exp_avg=state.adam.exp_avg, exp_avg_sq=state.adam.exp_avg_sq,
-             adam_step=np.int64(state.adam.step), adam_row_steps=state.adam.counts(), history=state.history,
-             history_epoch=state.history_epoch, history_step=state.history_step, first_step=state.first_step,
-             last_loss=state.last_loss, loss_history=state.loss_history,
-             candidate_digest=np.array(candidate_digest))
-
-
-def load_omega_state(path: str, candidate_digest: str) -> OmegaState:
-    """Read an ``omega_state.npz``.
-
-    Raises:
-        ValueError: When the checkpoint was written for a different candidate table.
-    """
-    with np.load(path) as data:
-        if str(data["candidate_digest"]) != candidate_digest:
-            raise ValueError(
-                f"{path} holds data logits for a different candidate table (ids differ); resume with the same "
-                "candidates or delete the run's storage directory to start from scratch."
-            )
-        missing = {"adam_row_steps", "first_step", "last_loss", "loss_history"} - set(data.files)
-        if missing:
-            raise ValueError(f"{path} predates the sampled-row omega state (no {sorted(missing)}); delete the "
-                             "run's storage directory to start BDS from scratch.")
-        adam = bilevel.AdamState(int(data["adam_step"]), data["exp_avg"].copy(), data["exp_avg_sq"].copy(),
-                                 data["adam_row_steps"].copy())
-        return OmegaState(data["omega"].copy(), adam, data["history"].copy(), data["history_epoch"].copy(),
-                          data["history_step"].copy(), data["first_step"].copy(), data["last_loss"].copy(),
-                          data["loss_history"].copy())
-
-
-def weights_table(ids: np.ndarray, state: OmegaState) -> Any:
-    """``weights.parquet`` rows: one per (candidate, snapshot) with id, omega, sigma, rank, epoch, step, first_step
-    (-1 = not sampled by then) and loss (latest omega loss by then)."""
-    import pyarrow as pa
-
-    n = len(ids)
-    columns: dict[str, list[np.ndarray]] = {k: [] for k in ("omega", "sigma", "rank", "epoch", "step",
-                                                            "first_step", "loss")}
-    for omega, epoch, step, loss in zip(state.history, state.history_epoch, state.history_step,
-                                        state.loss_history):
-        sigma = bilevel.data_weights(omega)
-        order = np.argsort(-sigma, kind="stable")
-        rank = np.empty(n, dtype=np.int64)
-        rank[order] = np.arange(1, n + 1)
-        columns["omega"].append(omega)
-        columns["sigma"].append(sigma)
-        columns["rank"].append(rank)
-        columns["epoch"].append(np.full(n, epoch, dtype=np.int64))
-        columns["step"].append(np.full(n, step, dtype=np.int64))
-        columns["first_step"].append(np.where(state.first_step < step, state.first_step, -1))
-        columns["loss"].append(loss)
-    snapshots = len(state.history)
-    return pa.table({
-        "id": pa.array(np.tile(ids.astype(str), snapshots).tolist(), type=pa.string()),
-        "omega": pa.array(np.concatenate(columns["omega"]) if snapshots else [], type=pa.float64()),
-        "sigma": pa.array(np.concatenate(columns["sigma"]) if snapshots else [], type=pa.float64()),
-        "rank": pa.array(np.concatenate(columns["rank"]) if snapshots else [], type=pa.int64()),
-        "epoch": pa.array(np.concatenate(columns["epoch"]) if snapshots else [], type=pa.int64()),
-        "step": pa.array(np.concatenate(columns["step"]) if snapshots else [], type=pa.int64()),
-        "first_step": pa.array(np.concatenate(columns["first_step"]) if snapshots else [], type=pa.int64()),
-        "loss": pa.array(np.concatenate(columns["loss"]) if snapshots else [], type=pa.float64()),
-    })
-
-
-def write_weights(output_dir: str, ids: np.ndarray, state: OmegaState) -> str:
-    """Write ``weights.parquet`` into ``output_dir`` atomically; returns its path."""
-    import pyarrow.parquet as pq
-
-    path = os.path.join(output_dir, WEIGHTS_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    pq.write_table(weights_table(ids, state), tmp)
-    os.replace(tmp, path)
-    return path
-
-
-# --------------------------------------------------------------------------------------------- online responses
-
-
-GeneratedSequence = tuple[np.ndarray, np.ndarray, np.ndarray]  # input_ids (T,), loss_mask (T,), old_logp (T,)
-
-
-@dataclass
-class OnlineResponses:
-    """The latest generated responses of the masked questions (Algorithm 1, line 7: y_old and pi_old).
-
-    A candidate with an entry is a masked question: whenever it is sampled, it trains on these G sequences with
-    importance weights instead of its offline response, and its omega coefficient is their mean loss (eq. 9-10).
-
-    Attributes:
-        sequences: candidate row -> G ``(input_ids, loss_mask, old_logp)``: the candidate's prompt tokens followed
-            by the response tokens, 1 on the response, and the generation-time log-probs (0 on the prompt).
-        step: The step before which they were generated.
-    """
-
-    sequences: dict[int, list[GeneratedSequence]]
-    step: int
-
-
-def prompt_ids(table: TokenTable, row: int) -> np.ndarray:
-    """The prompt side of a token-table row: its tokens before the first supervised position.
-
-    Raises:
-        ValueError: When the row has no supervised token.
-    """
-    ids, mask = table.row(row)
-    supervised = np.flatnonzero(mask)
-    if supervised.size == 0:
-        raise ValueError(f"row {table.ids[row]!r} has no supervised token, so it has no response to regenerate")
-    return ids[:supervised[0]]
-
-
 def generation_requests(table: TokenTable, rows: np.ndarray) -> list[Any]:
     """:class:`raycurate.stages.generation.GenerationRequest` for candidate rows (question id = example id)."""
     from raycurate.stages.generation import GenerationRequest
 
     return [GenerationRequest(str(table.ids[i]), prompt_ids(table, int(i)).tolist()) for i in rows]
-
-
-def online_from_rows(rows: list[dict], table: TokenTable, step: int) -> OnlineResponses:
-    """Turn the generation pool's rows into training sequences for the masked questions.
-
-    Args:
-        rows: Pool rows with ``question_id`` (a candidate id), ``response_ids`` and ``token_logprobs``.
-        table: The candidate token table.
-        step: Step of the generation.
-
-    Raises:
-        ValueError: For an unknown question id or log-probs not aligned with the response.
-    """
-    row_of = {str(i): r for r, i in enumerate(table.ids)}
-    sequences: dict[int, list[GeneratedSequence]] = {}
-    for item in rows:
-        question = str(item["question_id"])
-        if question not in row_of:
-            raise ValueError(f"generated response for unknown question {question!r}; question ids must be "
-                             "candidate ids (use generation_requests)")
-        response = np.asarray(item["response_ids"], dtype=np.int64)
-        logp = np.asarray(item["token_logprobs"], dtype=np.float32)
-        if response.size == 0 or logp.shape != response.shape:
-            raise ValueError(f"question {question!r}: {len(response)} response tokens but {len(logp)} log-probs; "
-                             "the pool must return one log-prob per generated token")
-        r = row_of[question]
-        prompt = prompt_ids(table, r)
-        ids = np.concatenate([prompt, response])
-        mask = np.concatenate([np.zeros(len(prompt), np.int8), np.ones(len(response), np.int8)])
-        old = np.concatenate([np.zeros(len(prompt), np.float32), logp])
-        sequences.setdefault(r, []).append((ids, mask, old))
-    return OnlineResponses(sequences, step)
-
-
-def save_online(path: str, online: OnlineResponses) -> None:
-    """Write the online responses as parquet (one row per sequence)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    flat = [(r, seq) for r in sorted(online.sequences) for seq in online.sequences[r]]
-    pq.write_table(pa.table({
-        "row": pa.array([r for r, _ in flat], type=pa.int64()),
-        "input_ids": pa.array([s[0].tolist() for _, s in flat], type=pa.list_(pa.int64())),
-        "loss_mask": pa.array([s[1].tolist() for _, s in flat], type=pa.list_(pa.int8())),
-        "old_logp": pa.array([s[2].tolist() for _, s in flat], type=pa.list_(pa.float32())),
-        "step": pa.array([online.step] * len(flat), type=pa.int64()),
-    }), path)
-
-
-def load_online(path: str) -> OnlineResponses:
-    """Read what :func:`save_online` wrote."""
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path).to_pydict()
-    sequences: dict[int, list[GeneratedSequence]] = {}
-    for r, ids, mask, old in zip(table["row"], table["input_ids"], table["loss_mask"], table["old_logp"]):
-        sequences.setdefault(int(r), []).append(
-            (np.asarray(ids, np.int64), np.asarray(mask, np.int8), np.asarray(old, np.float32)))
-    return OnlineResponses(sequences, int(table["step"][0]) if table["step"] else 0)
-
-
-def collate_slots(table: TokenTable, slots: list[Any], pad_id: int) -> dict[str, Any]:
-    """Batch of question slots: a table row (int) or a masked question's generated sequences.
-
-    Only table rows: exactly :func:`raycurate.stages.train.collate`.  With generated sequences the batch also
-    carries ``old_logp`` (R, T), ``generated`` (R,) and ``slot`` (R,), the slot of each of its R sequences.
-    """
-    import torch
-
-    if all(isinstance(slot, (int, np.integer)) for slot in slots):
-        return collate(table, np.asarray(slots, dtype=np.int64), pad_id)
-    seqs, slot_of, generated = [], [], []
-    for s, slot in enumerate(slots):
-        if isinstance(slot, (int, np.integer)):
-            ids, mask = table.row(int(slot))
-            items = [(ids, mask, np.zeros(len(ids), np.float32))]
-        else:
-            items = slot
-        seqs.extend(items)
-        slot_of.extend([s] * len(items))
-        generated.extend([not isinstance(slot, (int, np.integer))] * len(items))
-    width = max(len(ids) for ids, _, _ in seqs)
-    input_ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
-    attention = np.zeros((len(seqs), width), dtype=np.int64)
-    loss_mask = np.zeros((len(seqs), width), dtype=np.int8)
-    old_logp = np.zeros((len(seqs), width), dtype=np.float32)
-    for b, (ids, mask, old) in enumerate(seqs):
-        input_ids[b, :len(ids)], attention[b, :len(ids)] = ids, 1
-        loss_mask[b, :len(ids)], old_logp[b, :len(ids)] = mask, old
-    return {
-        "input_ids": torch.from_numpy(input_ids),
-        "attention_mask": torch.from_numpy(attention),
-        "loss_mask": torch.from_numpy(loss_mask),
-        "old_logp": torch.from_numpy(old_logp),
-        "generated": torch.tensor(generated),
-        "slot": torch.tensor(slot_of, dtype=torch.int64),
-        "weight": torch.ones(len(slots), dtype=torch.float32),
-    }
 
 
 # --------------------------------------------------------------------------------------------- one step
@@ -638,7 +342,7 @@ def no_grad_losses(ctx: StepContext, slots: list[Any]) -> np.ndarray:
     try:
         with torch.no_grad():
             for lo in range(0, len(slots), ctx.cfg.micro_batch_size):
-                batch = _to_device(collate_slots(ctx.table, slots[lo:lo + ctx.cfg.micro_batch_size], ctx.pad_id),
+                batch = to_device(collate_slots(ctx.table, slots[lo:lo + ctx.cfg.micro_batch_size], ctx.pad_id),
                                    ctx.device)
                 with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16):
                     logits = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -646,30 +350,6 @@ def no_grad_losses(ctx: StepContext, slots: list[Any]) -> np.ndarray:
     finally:
         module.train(was_training)
     return recorder.losses()
-
-
-def all_gather_pairs(idx: np.ndarray, losses: np.ndarray, device: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate every rank's (index, loss) pairs in rank order; identity without a process group.
-
-    Args:
-        idx: (b,) this rank's candidate indices (the same b on every rank).
-        losses: (b,) their losses.
-        device: Tensor device of the process group's backend.
-
-    Returns:
-        (world * b,) int64 indices and (world * b,) float64 losses, identical on every rank.
-    """
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return np.asarray(idx, dtype=np.int64), np.asarray(losses, dtype=np.float64)
-    # float64 holds both exactly: indices < 2**53 and float32 losses.
-    mine = torch.tensor(np.stack([np.asarray(idx, np.float64), np.asarray(losses, np.float64)]), device=device)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
-    both = torch.cat(parts, dim=1).cpu().numpy()  # (2, world * b)
-    return both[0].astype(np.int64), both[1]
 
 
 def candidate_slots(ctx: StepContext, cand: np.ndarray) -> list[Any]:
@@ -709,7 +389,7 @@ def bds_step(ctx: StepContext, omega_state: OmegaState, step: int) -> tuple[Omeg
         batch["weight"] = torch.from_numpy(weights[k * micro:(k + 1) * micro])
         tokens += int(batch["attention_mask"].sum())
         supervised += int((batch["loss_mask"][:, 1:] != 0).sum())
-        loss = ctx.engine.train_micro_batch(_to_device(batch, ctx.device), recorder, is_boundary=k == ctx.accum - 1)
+        loss = ctx.engine.train_micro_batch(to_device(batch, ctx.device), recorder, is_boundary=k == ctx.accum - 1)
         loss_sum += float(loss)
     slot_losses = recorder.losses()  # (len(slots),) at theta^k
     val_losses, cand_losses = slot_losses[:len(my_val)], slot_losses[len(my_val):]
@@ -738,7 +418,7 @@ class LoopState:
     online: OnlineResponses | None = None
 
 
-def _restore(path: str | None, train: TrainState, n: int, digest: str) -> LoopState:
+def restore_loop_state(path: str | None, train: TrainState, n: int, digest: str) -> LoopState:
     """The loop state of checkpoint folder ``path`` (None: a fresh run); ``train`` was read with the engine."""
     if path is None:
         return LoopState(train, OmegaState.fresh(n), BDSCurves())
@@ -749,44 +429,17 @@ def _restore(path: str | None, train: TrainState, n: int, digest: str) -> LoopSt
     return LoopState(train, load_omega_state(os.path.join(path, OMEGA_STATE_FILE), digest), curves, online)
 
 
-def _save_checkpoint(engine: Any, session: TrainSession, loop: LoopState, digest: str,
-                     metrics: dict[str, Any], cfg: TrainConfig) -> None:
-    ckpt_dir = tempfile.mkdtemp(prefix=f"raycurate-bds-ckpt-r{session.rank}-")
-    engine.save(ckpt_dir, session.rank)
-    if session.rank == 0:
-        write_trainer_state(ckpt_dir, loop.train, session, cfg)
+def _loop_state_writer(loop: LoopState, digest: str) -> Callable[[str], None]:
+    """What rank 0 adds to a BDS checkpoint besides the engine and ``trainer_state.json``."""
+
+    def write(ckpt_dir: str) -> None:
         with open(os.path.join(ckpt_dir, BDS_STATE_FILE), "w") as f:
             json.dump(dataclasses.asdict(loop.curves), f)
         save_omega_state(os.path.join(ckpt_dir, OMEGA_STATE_FILE), loop.omega, digest)
         if loop.online is not None:
             save_online(os.path.join(ckpt_dir, ONLINE_STATE_FILE), loop.online)
-    session.report(metrics, ckpt_dir if os.listdir(ckpt_dir) else None)
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
 
-
-def broadcast_from_rank0(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (for a generation hook that generates on rank 0 only); identity alone."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def gathered_omega_digests(omega: np.ndarray, device: Any) -> list[str]:
-    """Every rank's :func:`omega_digest`, in rank order (collective)."""
-    import torch
-    import torch.distributed as dist
-
-    mine = omega_digest(omega)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [mine]
-    tensor = torch.tensor([float(int(mine, 16))], dtype=torch.float64, device=device)
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor)
-    return [f"{int(p.item()):013x}" for p in parts]
+    return write
 
 
 def _check_in_sync(digests: list[str], step: int) -> None:
@@ -797,7 +450,7 @@ def _check_in_sync(digests: list[str], step: int) -> None:
 
 def _bds_metrics(job: BDSJob, loop: LoopState, digests: list[str], start_step: int, run_steps: int,
                  per_epoch: int, world: int, seconds: float, trainable: int) -> dict[str, Any]:
-    metrics = _metrics(job, loop.train, start_step, run_steps, per_epoch, world, seconds, trainable)
+    metrics = run_metrics(job, loop.train, start_step, run_steps, per_epoch, world, seconds, trainable)
     sigma = bilevel.data_weights(loop.omega.omega)
     metrics.update({
         "method": "bds_online" if loop.online is not None else "bds",
@@ -847,7 +500,7 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
     digest = ids_digest(cand_table.ids)
     with session.restore_dir() as ckpt_dir:
         engine, trainable, pad_id, train_state = build_resumed_engine(job, run_steps, session, ckpt_dir)
-        loop = _restore(ckpt_dir, train_state, len(cand_table), digest)
+        loop = restore_loop_state(ckpt_dir, train_state, len(cand_table), digest)
     state, curves = loop.train, loop.curves
     if state.step > run_steps:
         raise ValueError(f"the checkpoint being resumed is at step {state.step}, beyond this run's {run_steps} steps; "
@@ -864,7 +517,7 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
         _maybe_generate(generation_hook, ctx, loop, step, cand_table)
         step_started, step_lr = time.perf_counter(), engine.lr()
         loop.omega, stats = bds_step(ctx, loop.omega, step)
-        loss_sum, val_sum, cand_sum, tokens, supervised, online = _all_reduce_sum(
+        loss_sum, val_sum, cand_sum, tokens, supervised, online = all_reduce_sum(
             [stats.loss_sum, stats.val_loss_sum, stats.cand_loss_sum, stats.tokens, stats.supervised,
              stats.online_slots], device)
         state.step = step + 1
@@ -885,12 +538,12 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
             logger.info("step %d/%d loss %.4f val %.4f cand %.4f gamma %.3f", state.step, run_steps,
                         state.loss_per_step[-1], curves.val_loss_per_step[-1], curves.cand_loss_per_step[-1],
                         stats.gamma)
-        if _should_checkpoint(state.step, run_steps, per_epoch, cfg.checkpoint_every_steps):
+        if should_checkpoint(state.step, run_steps, per_epoch, cfg.checkpoint_every_steps):
             digests = gathered_omega_digests(loop.omega.omega, device)
             _check_in_sync(digests, state.step)
             metrics = _bds_metrics(job, loop, digests, start_step, run_steps, per_epoch, session.world_size,
                                    time.perf_counter() - started, trainable)
-            _save_checkpoint(engine, session, loop, digest, metrics, cfg)
+            save_checkpoint(engine, session, loop.train, metrics, cfg, _loop_state_writer(loop, digest))
 
     digests = gathered_omega_digests(loop.omega.omega, device)
     _check_in_sync(digests, state.step)

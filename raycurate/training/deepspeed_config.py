@@ -8,7 +8,7 @@ Decisions:
 * ``overlap_comm`` is off: it needs CUDA streams and buys nothing at the model sizes run on CPU.
 * ZeRO-3 sets ``stage3_gather_16bit_weights_on_model_save`` so DeepSpeed's own ``save_16bit_model`` works on
   an engine this config built; raycurate's final export does not use it (it consolidates the fp32 checkpoint
-  shards with ``zero_to_fp32``; see ``stages/train.py``).
+  shards with ``zero_to_fp32``; see :mod:`raycurate.training.zero_checkpoint`).
 * Offload (``train.offload_optimizer`` / ``train.offload_params``) keeps the *client* AdamW: DeepSpeed would
   otherwise insist on its own ``DeepSpeedCPUAdam`` (a C++ op compiled on first use), so the config sets
   ``zero_force_ds_cpu_optimizer: false``.  torch's AdamW then steps the fp32 master partitions on the CPU.
