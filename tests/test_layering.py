@@ -18,6 +18,9 @@ FORBIDDEN = {
     "stages": {"raycurate.pipelines", "raycurate.cli"},
     "pipelines": {"ray", "raycurate.cli"},
     "report": {"ray", "raycurate.stages", "raycurate.pipelines", "raycurate.cli"},
+    # Config sections are plain dataclasses: they may use models/data/errors/rundir-level modules only.
+    "config": {"ray", "raycurate.stages", "raycurate.pipelines", "raycurate.cli", "raycurate.algorithms",
+               "raycurate.report"},
 }
 
 

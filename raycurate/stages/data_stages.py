@@ -7,9 +7,10 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
+from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
-from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
 
 log = logging.getLogger("raycurate")
 

@@ -13,10 +13,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
 from raycurate.stages.bridge import read_token_rows
-from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
 from raycurate.stages.runtime import run_as_task
 
 log = logging.getLogger("raycurate")
