@@ -66,3 +66,25 @@ def test_import_raycurate_is_cheap():
     code = "import sys, raycurate; heavy = {'torch', 'ray', 'transformers', 'deepspeed'} & set(sys.modules); " \
            "assert not heavy, heavy"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+
+
+# Private names of raycurate.stages.train that its sibling bilevel_train.py still borrows; that pair is being
+# reorganised separately, and this exemption goes away with it.
+PRIVATE_IMPORT_EXEMPT_MODULES = {"raycurate.stages.train"}
+
+
+def private_imports(path: Path) -> list[str]:
+    """``module._name`` for every ``from raycurate.module import _name`` in a file (dunder names excepted)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] == "raycurate" and node.module not in PRIVATE_IMPORT_EXEMPT_MODULES:
+            found.extend(f"{node.module}.{alias.name}" for alias in node.names
+                         if alias.name.startswith("_") and not alias.name.startswith("__"))
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    problems = [f"{path.relative_to(PACKAGE.parent)} imports {name}"
+                for path in sorted(PACKAGE.rglob("*.py")) for name in private_imports(path)]
+    assert not problems, "private names imported across modules (make them public helpers):\n" + "\n".join(problems)

@@ -377,7 +377,7 @@ def weight_analysis(run: RunDir, bds_stage_name: str, candidate_stage: str, top:
     last = max(w["step"] for w in weights)
     final = {w["id"]: w for w in weights if w["step"] == last}
     labels = {r["id"]: (r.get("label") or {}) for r in read_token_rows(output_path(run, candidate_stage, "tokens"),
-                                                                       _label_columns(run, candidate_stage))}
+                                                                       label_columns(run, candidate_stage))}
     ids = sorted(final)
     sigma = np.array([final[i]["sigma"] for i in ids])
     info: dict[str, Any] = {"snapshot_step": int(last), "candidates": len(ids)}
@@ -446,7 +446,13 @@ def label_separation(scores: Any, clean: Any, kinds: Any, seed: int, resamples: 
     return out
 
 
-def _label_columns(run: RunDir, stage: str) -> list[str]:
+def label_columns(run: RunDir, stage: str) -> list[str]:
+    """The row-key columns of a stage's token table: ``["id", "label"]`` when it carries labels, else ``["id"]``.
+
+    Args:
+        run: The run directory.
+        stage: Stage whose ``tokens`` output is read (its first parquet file's schema only).
+    """
     import pyarrow.parquet as pq
 
     first = next(iter(sorted(output_path(run, stage, "tokens").glob("*.parquet"))))
