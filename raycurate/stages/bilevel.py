@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from raycurate.algorithms.metrics import auroc
+from raycurate.algorithms.ranking import auroc
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir, stage_hash
 from raycurate.stages.bridge import read_token_rows
@@ -371,7 +371,7 @@ def weight_analysis(run: RunDir, bds_stage_name: str, candidate_stage: str, top:
     import numpy as np
     import pyarrow.parquet as pq
 
-    from raycurate.algorithms.fidelity import spearman
+    from raycurate.algorithms.ranking import spearman
 
     weights = pq.read_table(output_path(run, bds_stage_name, "weights")).to_pylist()
     last = max(w["step"] for w in weights)
@@ -427,7 +427,7 @@ def label_separation(scores: Any, clean: Any, kinds: Any, seed: int, resamples: 
     """
     import numpy as np
 
-    from raycurate.algorithms.metrics import auroc_by_kind, bootstrap_auroc_ci
+    from raycurate.algorithms.ranking import auroc_by_kind, bootstrap_auroc_ci
 
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {"auroc": auroc(scores, clean),
