@@ -51,7 +51,6 @@ import json
 import math
 import os
 import random
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,7 +192,7 @@ def corpus_summary(rows: list[dict]) -> dict[str, Any]:
 
 
 def write_jsonl(rows: list[dict], path: str | os.PathLike) -> Path:
-    """Write rows as JSON lines atomically (temp file in the same directory, then ``os.replace``).
+    """Write rows as JSON lines atomically (:func:`raycurate.rundir.atomic_file`, fsynced before the rename).
 
     Readers never see a half-written file: either the old file or the complete new one.
 
@@ -204,20 +203,12 @@ def write_jsonl(rows: list[dict], path: str | os.PathLike) -> Path:
     Returns:
         The destination path.
     """
+    from raycurate.rundir import atomic_file  # lazy: the generator itself needs no storage/pyarrow imports
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for row in rows:
-                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
+    with atomic_file(path, fsync=True) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
 
 
