@@ -63,7 +63,8 @@ class PoolGenerationHook:
 
     def masked(self, omega: Any) -> Any:
         """Indices of the masked questions for this round."""
-        from raycurate.algorithms.bilevel import data_weights, masked_questions_dynamic, masked_questions_fixed
+        from raycurate.algorithms.bilevel import data_weights
+        from raycurate.algorithms.bmo import masked_questions_dynamic, masked_questions_fixed
 
         if self.mask == "dynamic":
             return masked_questions_dynamic(data_weights(omega), self.ratio)
@@ -230,7 +231,7 @@ def response_logprobs(model_dir: Path, candidates: Path, rows: list[dict]) -> li
     """Teacher-forced log-probs of each generated response (after its question's prompt) under ``model_dir``."""
     import torch
 
-    from raycurate.algorithms.bilevel import token_logprobs
+    from raycurate.algorithms.bmo import token_logprobs
     from raycurate.models.loading import best_device, load_model
 
     prompts = {r["id"]: r["input_ids"][: r["prompt_len"]]
