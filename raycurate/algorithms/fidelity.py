@@ -1,5 +1,10 @@
 """BRIDGE selection-level fidelity diagnostics (paper §5.4 Table 3, §3 Fig. 2(b), App. F.1, F.2; SPEC §4).
 
+Why one ~770-line module: the generic rank and selection metrics already live in
+:mod:`raycurate.algorithms.ranking`; what remains is one diagnostic, the exact leave-one-out reference, the proxies
+and the per-example comparison that aggregates them into Table 3 / Fig. 2(b), and its parts share the eligible-
+position and fixed-position conventions through private helpers that would otherwise have to become public.
+
 Three parts, all per example and pure (numpy for the metrics, torch only where the model is evaluated):
 
 1. **Metrics** (in :mod:`raycurate.algorithms.ranking`) between a reference score vector and a proxy score vector

@@ -1,5 +1,11 @@
 """The embedded benchmark corpus (SPEC §9): generated SFT data with ground truth on every row.
 
+Why one ~1100-line module: it is one seeded generator. Every row is drawn from a few ``random.Random`` streams in a
+fixed order, and the domain builders (math, code, instruction), the corruptions and the near-duplicates share the
+private ``_Task`` plumbing and the name pools; split across modules, those would become public cross-module names
+and any change in draw order would silently change the corpus that the committed results and hashes are tied to.
+The sections below (entry points, rows and corruptions, math, code, instruction) keep it navigable.
+
 Three domains:
 
 * ``math``: one- and two-step word problems with small numbers (a look-up, +, -, small products) that a ~1M-parameter
