@@ -149,8 +149,8 @@ def fidelity(model, direction, rows: list[dict]) -> dict:
         fidelity_table,
         mean_ranking_shift,
         ranking_shift,
-        spearman,
     )
+    from raycurate.algorithms.ranking import spearman
     from raycurate.algorithms.selection import eligible_positions
 
     examples, extra, curves, top_curves = [], [], [], []

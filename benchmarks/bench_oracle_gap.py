@@ -30,7 +30,7 @@ from raycurate.data.corpus import generate_corpus, generate_heldout
 from raycurate.data.tokenize import is_rejection, tokenize_record
 from raycurate.models.generation import generate_greedy
 from raycurate.models.loading import load_model, load_tokenizer
-from raycurate.models.pretrain import warmup_cosine
+from raycurate.models.optim import cosine_with_warmup
 from raycurate.models.sampling import derive_seed, sample_responses
 from raycurate.stages.model_stages import stop_token_ids
 
@@ -52,7 +52,7 @@ def fine_tune(model_dir: str, tokenizer, rows: list[dict], *, lr: float, batch: 
         index, order = order[:batch], order[batch:]
         tensors = pad_rows([data[i] for i in index], tokenizer.pad_token_id)
         for group in optimizer.param_groups:
-            group["lr"] = lr * warmup_cosine(step, steps, max(1, steps // 20))
+            group["lr"] = lr * cosine_with_warmup(step, max(1, steps // 20), steps, floor=0.1)
         logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
         loss = example_losses(logits, tensors["input_ids"], tensors["loss_mask"]).mean()
         optimizer.zero_grad()

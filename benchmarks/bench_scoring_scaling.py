@@ -50,8 +50,9 @@ def run_pool(actors: int, model_dir: str, tokens: str, direction: str) -> tuple[
     import ray.data
 
     from raycurate.algorithms.bridge import SelectionSettings
+    from raycurate.config.pool import ActorPoolConfig
     from raycurate.stages.bridge import BridgeScoreUDF
-    from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+    from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
 
     pool = resolve_pool(ActorPoolConfig(num_actors=actors, batch_size=16))
     ds = ray.data.read_parquet(tokens)

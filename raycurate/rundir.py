@@ -32,6 +32,7 @@ import shutil
 import socket
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -152,6 +153,34 @@ def _make_root(root: Path) -> None:
     if not os.access(root, os.W_OK | os.X_OK):
         raise RunDirError(f"run directory {root} is not writable by this user; choose a writable --out / "
                           "run.runs_dir or fix its permissions")
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, *, fsync: bool = False) -> Iterator[Path]:
+    """Yield a fresh temp file name beside ``path``; on success it is renamed onto ``path``, on error removed.
+
+    For writers that create the file themselves (``pq.write_table(table, tmp)``, ``open(tmp, "w")``).  Each call
+    gets its own name (``.<name>.<pid>-<random>.tmp``), so racing writers of one path (a retried Ray task and
+    its earlier attempt) never share a temp file; the last rename wins and readers see a complete file.
+
+    Args:
+        path: Destination; its parent folders are created.
+        fsync: Flush the written file to disk before the rename.
+
+    Yields:
+        The temp path (not created yet) to write.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
+        if fsync:
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

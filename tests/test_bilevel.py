@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from raycurate.algorithms import bilevel as bl
+from raycurate.algorithms import bmo
 from raycurate.algorithms.losses import example_losses, token_losses
 from raycurate.models.generation import left_pad
 
@@ -213,7 +214,7 @@ def test_losses_and_logprobs_vanish_only_with_a_single_label_shift():
     logits = _peaked_logits(input_ids, vocab=12)
     # Shifted once (inside token_losses): every supervised token is predicted with probability ~1.
     assert example_losses(logits, input_ids, mask).max() < 1e-12
-    assert bl.token_logprobs(logits, input_ids, mask).abs().max() < 1e-12
+    assert bmo.token_logprobs(logits, input_ids, mask).abs().max() < 1e-12
     # Shifted twice (pre-shifted labels handed to a loss that shifts again): far from 0, so the checks above fail
     # for any code path that shifts twice.
     twice = token_losses(logits[:, :-1], input_ids[:, 1:], mask[:, 1:])
@@ -229,12 +230,12 @@ def test_importance_weights_are_exactly_one_when_theta_equals_theta_old():
     ids = torch.randint(0, 30, (3, 20))
     mask = torch.zeros(3, 20, dtype=torch.long)
     mask[:, 8:] = 1
-    logp = bl.token_logprobs(logits, ids, mask)
-    old = bl.token_logprobs(logits.clone(), ids, mask)
-    clip = bl.importance_weights(logp, old, mask, mode="clip")
+    logp = bmo.token_logprobs(logits, ids, mask)
+    old = bmo.token_logprobs(logits.clone(), ids, mask)
+    clip = bmo.importance_weights(logp, old, mask, mode="clip")
     assert torch.equal(clip[:, 8:], torch.ones(3, 12, dtype=torch.float64))
     assert torch.equal(clip[:, :8], torch.zeros(3, 8, dtype=torch.float64))
-    seq = bl.importance_weights(logp, old, mask, mode="self_normalize", group=torch.tensor([0, 0, 0]))
+    seq = bmo.importance_weights(logp, old, mask, mode="self_normalize", group=torch.tensor([0, 0, 0]))
     assert torch.equal(seq, torch.ones(3, dtype=torch.float64))
 
 
@@ -246,19 +247,19 @@ def test_importance_weights_stay_finite_for_512_token_responses():
     mask = torch.zeros(batch, length)
     mask[:, 16:] = 1
     group = torch.tensor([0, 0, 0, 1, 1, 2])
-    seq = bl.importance_weights(new, old, mask, mode="self_normalize", group=group)
+    seq = bmo.importance_weights(new, old, mask, mode="self_normalize", group=group)
     assert torch.isfinite(seq).all()
     assert seq[:3].sum().item() == pytest.approx(3.0) and seq[3:5].sum().item() == pytest.approx(2.0)
     assert seq[5].item() == 1.0  # a question with one response: weight 1
     log_ratio = ((new - old) * mask).sum(dim=1).double()
     expected = 3 * torch.softmax(log_ratio[:3], dim=0)
     assert torch.allclose(seq[:3], expected)
-    clip = bl.importance_weights(new, old, mask, mode="clip", clip=2.0)
+    clip = bmo.importance_weights(new, old, mask, mode="clip", clip=2.0)
     assert torch.isfinite(clip).all()
     on = clip[:, 16:]
     assert on.min() >= 0.5 - 1e-12 and on.max() <= 2.0 + 1e-12
     with pytest.raises(ValueError, match="unknown importance weight mode"):
-        bl.importance_weights(new, old, mask, mode="pg")
+        bmo.importance_weights(new, old, mask, mode="pg")
 
 
 def test_grouped_response_losses_by_hand():
@@ -269,11 +270,11 @@ def test_grouped_response_losses_by_hand():
     old = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, -1.0, -3.0], [0.0, 0.0, -2.0, -2.0 - math.log(4.0)]])
     generated, slot = torch.tensor([False, True, True]), torch.tensor([0, 1, 1])
     # clip (bound 2): row 1 r = [1, 1] -> (1 + 3) / 2 = 2; row 2 r = [1, 2] -> (2 + 2 * 2) / 2 = 3; slot 1 -> 2.5.
-    weighted, plain = bl.grouped_response_losses(per_token, mask, old, generated, slot, 2, mode="clip", clip=2.0)
+    weighted, plain = bmo.grouped_response_losses(per_token, mask, old, generated, slot, 2, mode="clip", clip=2.0)
     assert weighted.tolist() == pytest.approx([3.0, 2.5])
     assert plain.tolist() == pytest.approx([3.0, 2.0])  # eq. 10c: unweighted mean over the G responses
     # self-normalised: sequence log ratios [0, log 4] -> 2 * softmax = [0.4, 1.6]; (0.4 * 2 + 1.6 * 2) / 2 = 2.0.
-    weighted_sn, _ = bl.grouped_response_losses(per_token, mask, old, generated, slot, 2, mode="self_normalize")
+    weighted_sn, _ = bmo.grouped_response_losses(per_token, mask, old, generated, slot, 2, mode="self_normalize")
     assert weighted_sn.tolist() == pytest.approx([3.0, 2.0])
     weighted.sum().backward()  # the weights are constants; the losses carry the graph
     assert per_token.grad[2].tolist() == pytest.approx([0.0, 0.0, 0.25, 0.5])  # r_t / (n_g * G)
@@ -285,19 +286,19 @@ def test_grouped_response_losses_by_hand():
 
 def test_dynamic_masking_picks_exactly_the_bottom_r_with_ties_by_index():
     sigma = np.array([1.0, 0.5, 0.5, 2.0, 0.1, 0.5])
-    assert bl.masked_questions_dynamic(sigma, 0.5).tolist() == [1, 2, 4]  # 0.1, then the first two 0.5s
-    assert bl.masked_questions_dynamic(sigma, 0.0).tolist() == []
-    assert bl.masked_questions_dynamic(sigma, 1.0).tolist() == list(range(6))
-    assert bl.masked_count(25, 0.1) == 3  # 2.5 rounds up
+    assert bmo.masked_questions_dynamic(sigma, 0.5).tolist() == [1, 2, 4]  # 0.1, then the first two 0.5s
+    assert bmo.masked_questions_dynamic(sigma, 0.0).tolist() == []
+    assert bmo.masked_questions_dynamic(sigma, 1.0).tolist() == list(range(6))
+    assert bmo.masked_count(25, 0.1) == 3  # 2.5 rounds up
 
 
 def test_fixed_masking_is_seeded_and_sized_by_ratio():
-    a = bl.masked_questions_fixed(40, 0.1, seed=5)
+    a = bmo.masked_questions_fixed(40, 0.1, seed=5)
     assert len(a) == 4 and len(set(a.tolist())) == 4 and a.tolist() == sorted(a.tolist())
-    assert np.array_equal(a, bl.masked_questions_fixed(40, 0.1, seed=5))
-    assert not np.array_equal(a, bl.masked_questions_fixed(40, 0.1, seed=6))
+    assert np.array_equal(a, bmo.masked_questions_fixed(40, 0.1, seed=5))
+    assert not np.array_equal(a, bmo.masked_questions_fixed(40, 0.1, seed=6))
     with pytest.raises(ValueError, match=r"must lie in \[0, 1\]"):
-        bl.masked_questions_fixed(40, 1.5, seed=0)
+        bmo.masked_questions_fixed(40, 1.5, seed=0)
 
 
 # ------------------------------------------------------------------------------------------ response mask
@@ -312,7 +313,7 @@ def test_response_mask_of_a_left_padded_generation_batch_excludes_every_prompt_t
     gen_mask = torch.tensor([[1] * len(g) + [0] * (width - len(g)) for g in generated])
     ids = torch.cat([prompt_ids, gen_ids], dim=1)  # (3, 7)
     attention = torch.cat([prompt_mask, gen_mask], dim=1)
-    mask = bl.response_mask_from_prompt(prompt_ids.shape[1], ids.shape[1], attention)
+    mask = bmo.response_mask_from_prompt(prompt_ids.shape[1], ids.shape[1], attention)
     assert mask.tolist() == [
         [False, False, False, False, True, True, True],
         [False, False, False, False, True, False, False],
@@ -322,4 +323,4 @@ def test_response_mask_of_a_left_padded_generation_batch_excludes_every_prompt_t
     assert not any(int(t) in prompt_tokens for t in ids[mask])
     assert sorted(ids[mask].tolist()) == sorted(t for g in generated for t in g)
     with pytest.raises(ValueError, match="expected"):
-        bl.response_mask_from_prompt(4, 8, attention)
+        bmo.response_mask_from_prompt(4, 8, attention)

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from raycurate.algorithms import bilevel
-from raycurate.algorithms.fidelity import spearman
-from raycurate.algorithms.metrics import auroc
+from raycurate.algorithms.ranking import auroc, spearman
 from raycurate.config.loader import from_dict, read_yaml
 from raycurate.config.schema import JobConfig
 from raycurate.stages.bilevel import bds_settings

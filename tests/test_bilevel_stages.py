@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raycurate.algorithms.metrics import auroc
+from raycurate.algorithms.ranking import auroc
 from raycurate.config.bilevel import BilevelConfig
 from raycurate.config.train import TrainConfig
 from raycurate.pipelines.bilevel import check_methods
@@ -60,7 +60,7 @@ def test_bds_settings_carry_the_signal_preserving_omega_optimizer():
 
 
 def test_auroc_by_kind_and_bootstrap_interval_by_hand():
-    from raycurate.algorithms.metrics import auroc_by_kind, bootstrap_auroc_ci
+    from raycurate.algorithms.ranking import auroc_by_kind, bootstrap_auroc_ci
 
     # clean 3, 4; truncated 1 (below both: AUROC 1); near_duplicate 3.5 (between: AUROC 1/2).
     scores = np.array([3.0, 4.0, 1.0, 3.5])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from train_helpers import VOCAB, Crash, LocalSession, write_tiny_llama
 
-from raycurate.algorithms import bilevel
+from raycurate.algorithms import bilevel, bmo
 from raycurate.config.train import TrainConfig
 from raycurate.stages import bilevel_train as bt
 from raycurate.training import bds_online, bds_state
@@ -255,7 +255,7 @@ def _regenerating_hook(cand_path: str, masked: np.ndarray, calls: list, extra_ra
                 mask = torch.cat([torch.zeros(1, len(prompt)), torch.ones(1, len(response))], dim=1)
                 with torch.no_grad():
                     logits = module(input_ids=full).logits
-                logp = bilevel.token_logprobs(logits, full, mask)[0, len(prompt):]
+                logp = bmo.token_logprobs(logits, full, mask)[0, len(prompt):]
                 rows.append({"question_id": requests[0].question_id, "sample": g,
                              "response_ids": response.tolist(), "token_logprobs": logp.tolist()})
         return rows
@@ -270,7 +270,7 @@ def test_online_with_responses_from_the_current_policy_matches_offline(tiny_mode
     cfg = _cfg(max_steps=4)
     offline = bt.bds_train_loop(_job(tables, tiny_model, str(tmp_path / "off"), cfg), LocalSession(str(tmp_path / "a")))
     calls: list = []
-    masked = bilevel.masked_questions_fixed(10, 0.5, seed=0)
+    masked = bmo.masked_questions_fixed(10, 0.5, seed=0)
     online = bt.bds_train_loop(
         _job(tables, tiny_model, str(tmp_path / "on"), cfg, generation_every=1, importance=mode),
         LocalSession(str(tmp_path / "b")), generation_hook=_regenerating_hook(tables[0], masked, calls))

@@ -9,18 +9,14 @@ import numpy as np
 import pytest
 
 from raycurate.algorithms.closure import (
-    Unit,
     closure_projection,
     final_answer_covered,
-    greedy_density,
-    knapsack_dp,
-    pairs_from_flat,
     project_response,
-    structural_units,
     top_b_mask,
     unit_quality,
-    verify_alignment,
 )
+from raycurate.algorithms.selection import greedy_density, knapsack_dp
+from raycurate.algorithms.units import Unit, pairs_from_flat, structural_units, verify_alignment
 
 MATH = (
     "She buys 3 toy cars at 6 dollars each, so 3 * 6 = 18 dollars.\n"

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 stats = pytest.importorskip("scipy.stats")
 
 from raycurate.algorithms import fidelity as fd  # noqa: E402
+from raycurate.algorithms import ranking as rk  # noqa: E402
 from raycurate.algorithms import token_utility as tu  # noqa: E402
 from raycurate.algorithms.selection import budgets, eligible_positions, fold_fixed_positions, select  # noqa: E402
 from raycurate.models.tiny import build_tiny_model  # noqa: E402
@@ -29,71 +30,71 @@ def test_spearman_and_ranks_match_scipy_with_ties(seed):
     rng = np.random.default_rng(seed)
     x = rng.integers(0, 5, size=17).astype(float)  # many ties
     y = x + rng.integers(-3, 4, size=17)
-    np.testing.assert_allclose(fd.average_ranks(x), stats.rankdata(x))
-    assert fd.spearman(x, y) == pytest.approx(stats.spearmanr(x, y).statistic, abs=1e-12)
+    np.testing.assert_allclose(rk.average_ranks(x), stats.rankdata(x))
+    assert rk.spearman(x, y) == pytest.approx(stats.spearmanr(x, y).statistic, abs=1e-12)
     z = rng.normal(size=40)
-    assert fd.spearman(z, -z ** 3) == pytest.approx(-1.0)
+    assert rk.spearman(z, -z ** 3) == pytest.approx(-1.0)
 
 
 def test_average_ranks_by_hand():
-    np.testing.assert_array_equal(fd.average_ranks(np.array([3.0, 1.0, 3.0, 2.0, 3.0])), [4, 1, 4, 2, 4])
-    np.testing.assert_array_equal(fd.average_ranks(np.array([0.5, 0.5])), [1.5, 1.5])
+    np.testing.assert_array_equal(rk.average_ranks(np.array([3.0, 1.0, 3.0, 2.0, 3.0])), [4, 1, 4, 2, 4])
+    np.testing.assert_array_equal(rk.average_ranks(np.array([0.5, 0.5])), [1.5, 1.5])
 
 
 def test_spearman_is_nan_when_undefined():
-    assert math.isnan(fd.spearman(np.ones(4), np.arange(4.0)))  # constant ranking
-    assert math.isnan(fd.spearman(np.array([1.0]), np.array([2.0])))  # n < 2
+    assert math.isnan(rk.spearman(np.ones(4), np.arange(4.0)))  # constant ranking
+    assert math.isnan(rk.spearman(np.array([1.0]), np.array([2.0])))  # n < 2
     with pytest.raises(ValueError, match="same candidates"):
-        fd.spearman(np.ones(3), np.ones(4))
+        rk.spearman(np.ones(3), np.ones(4))
     with pytest.raises(ValueError, match="finite"):
-        fd.spearman(np.array([1.0, np.nan]), np.ones(2))
+        rk.spearman(np.array([1.0, np.nan]), np.ones(2))
 
 
 def test_set_metrics_by_hand():
     ref = np.array([5.0, 4.0, 3.0, 2.0, 1.0])
     proxy = np.array([1.0, 4.0, 3.0, 2.0, 5.0])
     # Top-2(ref) = {0, 1}, Top-2(proxy) = {4, 1}: one shared of 2, union 3
-    assert fd.top_b_overlap(ref, proxy, 2) == 0.5
-    assert fd.jaccard(ref, proxy, 2) == pytest.approx(1 / 3)
+    assert rk.top_b_overlap(ref, proxy, 2) == 0.5
+    assert rk.jaccard(ref, proxy, 2) == pytest.approx(1 / 3)
     # U_ref(S_ref) = 9, U_ref(S_proxy) = 4 + 1 = 5 -> regret 4/9, retention 5/9
-    assert fd.normalized_regret(ref, proxy, 2) == pytest.approx(4 / 9)
-    assert fd.utility_retention(ref, proxy, 2) == pytest.approx(5 / 9)
-    assert fd.normalized_regret(ref, proxy, 2) == pytest.approx(1 - fd.utility_retention(ref, proxy, 2))
+    assert rk.normalized_regret(ref, proxy, 2) == pytest.approx(4 / 9)
+    assert rk.utility_retention(ref, proxy, 2) == pytest.approx(5 / 9)
+    assert rk.normalized_regret(ref, proxy, 2) == pytest.approx(1 - rk.utility_retention(ref, proxy, 2))
     # b = n: every metric is perfect
-    assert fd.top_b_overlap(ref, proxy, 5) == 1.0 and fd.normalized_regret(ref, proxy, 5) == 0.0
+    assert rk.top_b_overlap(ref, proxy, 5) == 1.0 and rk.normalized_regret(ref, proxy, 5) == 0.0
 
 
 def test_set_metrics_use_the_position_tie_break_of_top_b():
     ref = np.array([0.0, 0.0, 1.0, 1.0])
     proxy = np.array([2.0, 2.0, 2.0, 2.0])  # all tied: Top-2 = {0, 1} (earlier positions first)
-    assert fd.top_b_overlap(ref, proxy, 2) == 0.0  # Top-2(ref) = {2, 3}
-    assert fd.normalized_regret(ref, proxy, 2) == 1.0  # (2 - 0) / 2
+    assert rk.top_b_overlap(ref, proxy, 2) == 0.0  # Top-2(ref) = {2, 3}
+    assert rk.normalized_regret(ref, proxy, 2) == 1.0  # (2 - 0) / 2
 
 
 def test_regret_with_negative_best_utility_and_degenerate_cases():
     ref, proxy = np.array([-1.0, -2.0, -3.0]), np.array([-3.0, -2.0, -1.0])
     # S_ref = {0} (U = -1), S_proxy = {2} (U = -3): regret (-1 - -3) / |-1| = 2; retention undefined
-    assert fd.normalized_regret(ref, proxy, 1) == pytest.approx(2.0)
-    assert math.isnan(fd.utility_retention(ref, proxy, 1))
+    assert rk.normalized_regret(ref, proxy, 1) == pytest.approx(2.0)
+    assert math.isnan(rk.utility_retention(ref, proxy, 1))
     zero_best = np.array([1.0, -1.0, -1.0])  # Top-2 = {0, 1}: U_ref(S_ref) = 0
-    assert math.isnan(fd.normalized_regret(zero_best, np.array([0.0, 1.0, 1.0]), 2))  # proxy {1, 2}: loss 2
-    assert fd.normalized_regret(zero_best, zero_best, 2) == 0.0  # optimal: zero regret at any scale
-    for metric in (fd.top_b_overlap, fd.jaccard):
+    assert math.isnan(rk.normalized_regret(zero_best, np.array([0.0, 1.0, 1.0]), 2))  # proxy {1, 2}: loss 2
+    assert rk.normalized_regret(zero_best, zero_best, 2) == 0.0  # optimal: zero regret at any scale
+    for metric in (rk.top_b_overlap, rk.jaccard):
         assert math.isnan(metric(ref, proxy, 0))
-    assert fd.normalized_regret(ref, proxy, 0) == 0.0
+    assert rk.normalized_regret(ref, proxy, 0) == 0.0
     with pytest.raises(ValueError, match="budget"):
-        fd.top_b_overlap(ref, proxy, 4)
+        rk.top_b_overlap(ref, proxy, 4)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_identical_proxy_and_reference_are_perfect(seed):
     ref = np.random.default_rng(seed).normal(size=23)
-    metrics = fd.selection_metrics(ref, ref.copy(), 9)
+    metrics = rk.selection_metrics(ref, ref.copy(), 9)
     assert metrics == {"spearman": pytest.approx(1.0), "top_b_overlap": 1.0, "jaccard": 1.0,
                        "normalized_regret": 0.0}
     # a strictly increasing transform keeps every metric perfect; a reversal makes Spearman -1
-    assert fd.selection_metrics(ref, np.exp(ref), 9)["spearman"] == pytest.approx(1.0)
-    assert fd.spearman(ref, -ref) == pytest.approx(-1.0)
+    assert rk.selection_metrics(ref, np.exp(ref), 9)["spearman"] == pytest.approx(1.0)
+    assert rk.spearman(ref, -ref) == pytest.approx(-1.0)
 
 
 # ------------------------------------------------------------------------------------------ proxies (pure)
@@ -265,7 +266,7 @@ def test_example_fidelity_state_proxies_and_table(model, direction, example):
         assert r["spearman"] == pytest.approx(1.0) and r["top_b_overlap"] == 1.0 and r["jaccard"] == 1.0
         assert r["normalized_regret"] == 0.0 and r["n_examples"] == r["n_spearman"] == 2
     single = fd.fidelity_table([ex])
-    assert all(a[m] == pytest.approx(b[m], nan_ok=True) for a, b in zip(rows, single) for m in fd.METRICS)
+    assert all(a[m] == pytest.approx(b[m], nan_ok=True) for a, b in zip(rows, single) for m in rk.METRICS)
 
 
 def test_example_fidelity_computes_routing_itself_and_state_recomputed_scores(model, direction, example):
@@ -295,7 +296,7 @@ def test_example_fidelity_computes_routing_itself_and_state_recomputed_scores(mo
 
     # F.2: at the example's own state (T = 4) the fresh scores are its response-side reference
     states = fd.state_recomputed_fidelity(model, ids, prompt_len, direction, own, rounds=(1, 4))
-    at_4 = fd.selection_metrics(own.reference[1], own.proxies["attention_x_a"][1], own.b_r)
+    at_4 = rk.selection_metrics(own.reference[1], own.proxies["attention_x_a"][1], own.b_r)
     for metric in ("spearman", "top_b_overlap", "normalized_regret"):
         assert states[4][metric] == pytest.approx(at_4[metric], nan_ok=True)
     table = fd.state_fidelity_table([states, states])
@@ -380,6 +381,6 @@ def test_random_ranking_shift_reuses_one_permutation_per_side():
     sizes = [budgets(9, 7, rho, rho) for rho in retentions]
     kept_r = fd.nested_random_masks(7, [b for _, b in sizes], gen)
     full_p = beta.sum(axis=1)
-    expected = [1.0 - fd.spearman(full_p, beta @ kept_r[m].astype(float)) for m in range(len(sizes))]
+    expected = [1.0 - rk.spearman(full_p, beta @ kept_r[m].astype(float)) for m in range(len(sizes))]
     np.testing.assert_allclose(curve["prompt_shift"], expected)
     assert curve["prompt_shift"][0] == 0.0

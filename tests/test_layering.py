@@ -22,6 +22,9 @@ FORBIDDEN = {
     "stages": {"raycurate.pipelines", "raycurate.cli"},
     "pipelines": {"ray", "raycurate.cli"},
     "report": {"ray", "raycurate.stages", "raycurate.training", "raycurate.pipelines", "raycurate.cli"},
+    # Config sections are plain dataclasses: they may use models/data/errors/rundir-level modules only.
+    "config": {"ray", "raycurate.stages", "raycurate.training", "raycurate.pipelines", "raycurate.cli",
+               "raycurate.algorithms", "raycurate.report"},
 }
 
 
@@ -79,3 +82,40 @@ def test_import_raycurate_is_cheap():
     code = "import sys, raycurate; heavy = {'torch', 'ray', 'transformers', 'deepspeed'} & set(sys.modules); " \
            "assert not heavy, heavy"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+
+
+PRIVATE_IMPORT_EXEMPT_MODULES: set[str] = set()
+
+
+def private_imports(path: Path) -> list[str]:
+    """``module._name`` for every ``from raycurate.module import _name`` in a file (dunder names excepted)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] == "raycurate" and node.module not in PRIVATE_IMPORT_EXEMPT_MODULES:
+            found.extend(f"{node.module}.{alias.name}" for alias in node.names
+                         if alias.name.startswith("_") and not alias.name.startswith("__"))
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    problems = [f"{path.relative_to(PACKAGE.parent)} imports {name}"
+                for path in sorted(PACKAGE.rglob("*.py")) for name in private_imports(path)]
+    assert not problems, "private names imported across modules (make them public helpers):\n" + "\n".join(problems)
+
+
+MAX_MODULE_LINES = 600
+SIZE_EXEMPT: set[str] = set()
+
+
+def test_long_modules_say_why_they_are_one_module():
+    """A module over MAX_MODULE_LINES lines is split, or its docstring gives the reason ("Why one ...")."""
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        text = path.read_text()
+        if rel in SIZE_EXEMPT or text.count("\n") <= MAX_MODULE_LINES:
+            continue
+        if "Why one" not in (ast.get_docstring(ast.parse(text)) or ""):
+            problems.append(f"{rel}: {text.count(chr(10))} lines")
+    assert not problems, "split these modules or explain at the top why they are one:\n" + "\n".join(problems)

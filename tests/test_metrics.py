@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raycurate.algorithms.metrics import auroc
+from raycurate.algorithms.ranking import auroc
 
 
 def test_auroc_by_hand():

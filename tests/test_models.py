@@ -215,11 +215,26 @@ def test_load_model_builds_untrained_preset_with_tokenizer(tokenizer):
 # --- pre-training ----------------------------------------------------------------------------------------------
 
 
-def test_warmup_cosine_schedule_values():
-    assert pretrain.warmup_cosine(0, total=100, warmup=10) == pytest.approx(0.1)
-    assert pretrain.warmup_cosine(10, total=100, warmup=10) == pytest.approx(1.0)
-    assert pretrain.warmup_cosine(55, total=100, warmup=10) == pytest.approx(0.55)  # halfway: (1 + 0.1) / 2
-    assert pretrain.warmup_cosine(100, total=100, warmup=10) == pytest.approx(0.1)
+def test_cosine_with_warmup_schedule_values_with_a_floor():
+    from raycurate.models.optim import cosine_with_warmup
+
+    assert cosine_with_warmup(0, 10, 100, floor=0.1) == pytest.approx(1 / 11)  # (step + 1) / (warmup + 1)
+    assert cosine_with_warmup(9, 10, 100, floor=0.1) == pytest.approx(10 / 11)
+    assert cosine_with_warmup(10, 10, 100, floor=0.1) == pytest.approx(1.0)
+    assert cosine_with_warmup(55, 10, 100, floor=0.1) == pytest.approx(0.55)  # halfway: (1 + 0.1) / 2
+    assert cosine_with_warmup(100, 10, 100, floor=0.1) == pytest.approx(0.1)
+    assert cosine_with_warmup(55, 10, 100) == pytest.approx(0.5)  # no floor: the training stage's schedule
+
+
+def test_decay_param_groups_decay_matrices_only_and_drop_empty_groups():
+    from raycurate.models.optim import decay_param_groups
+
+    layer = torch.nn.Linear(3, 2)
+    groups = decay_param_groups(layer, 0.1)
+    assert [(len(g["params"]), g["weight_decay"]) for g in groups] == [(1, 0.1), (1, 0.0)]
+    assert groups[0]["params"][0] is layer.weight
+    layer.bias.requires_grad_(False)
+    assert [(len(g["params"]), g["weight_decay"]) for g in decay_param_groups(layer, 0.1)] == [(1, 0.1)]
 
 
 def test_pack_token_blocks_frames_each_text_with_bos_and_eos(tokenizer):

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+from raycurate.config.pool import ActorPoolConfig
+from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
 from raycurate.stages.runtime import actor_cpus
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from raycurate.rundir import RunDir, atomic_dir, atomic_write_json
+from raycurate.rundir import RunDir, atomic_dir, atomic_file, atomic_write_json
 from raycurate.stages.base import StageOutput, output_path, run_stage
 
 
@@ -15,6 +15,24 @@ def test_atomic_write_json_leaves_no_temp_files(tmp_path):
     atomic_write_json(tmp_path / "a.json", {"x": 2})
     assert json.loads((tmp_path / "a.json").read_text()) == {"x": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_atomic_file_renames_on_success_and_cleans_up_on_error(tmp_path):
+    target = tmp_path / "sub" / "out.txt"
+    with atomic_file(target, fsync=True) as tmp:
+        assert tmp.parent == target.parent and tmp.name.startswith(".out.txt.") and tmp.name.endswith(".tmp")
+        tmp.write_text("good")
+    with pytest.raises(RuntimeError):
+        with atomic_file(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("crash")
+    assert target.read_text() == "good"
+    assert [p.name for p in target.parent.iterdir()] == ["out.txt"]
+    with atomic_file(target) as first, atomic_file(target) as second:
+        assert first != second  # racing writers never share a temp name
+        first.write_text("first")
+        second.write_text("second")
+    assert target.read_text() == "first"  # the outer one renames last
 
 
 def test_atomic_dir_keeps_old_contents_on_error(tmp_path):

@@ -18,7 +18,8 @@ from raycurate.stages.train import SFTJob, train_loop
 from raycurate.training.batches import collate, load_token_table
 from raycurate.training.deepspeed_config import deepspeed_config, grad_accum_steps
 from raycurate.training.export import METRICS_FILE
-from raycurate.training.order import cosine_with_warmup, epoch_order, micro_batch_rows, total_steps
+from raycurate.models.optim import cosine_with_warmup
+from raycurate.training.order import epoch_order, micro_batch_rows, total_steps
 
 # ------------------------------------------------------------------------------------------ fixtures
 

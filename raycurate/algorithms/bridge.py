@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from raycurate.algorithms.closure import final_answer_covered, pairs_from_flat, project_response
+from raycurate.algorithms.closure import final_answer_covered, project_response
 from raycurate.algorithms.routing import attention_for_layer, interaction_terms, routing_weights
 from raycurate.algorithms.selection import (
     SelectionResult,
@@ -25,6 +25,7 @@ from raycurate.algorithms.selection import (
     to_row_masks,
 )
 from raycurate.algorithms.token_utility import knockout_prompt_scores, token_utilities
+from raycurate.algorithms.units import pairs_from_flat
 
 SCHEDULES = ("independent", "one_pass", "alternating")
 PROMPT_PROXIES = ("routing", "knockout_grad")

@@ -1,11 +1,17 @@
 """BRIDGE selection-level fidelity diagnostics (paper §5.4 Table 3, §3 Fig. 2(b), App. F.1, F.2; SPEC §4).
 
+Why one ~770-line module: the generic rank and selection metrics already live in
+:mod:`raycurate.algorithms.ranking`; what remains is one diagnostic, the exact leave-one-out reference, the proxies
+and the per-example comparison that aggregates them into Table 3 / Fig. 2(b), and its parts share the eligible-
+position and fixed-position conventions through private helpers that would otherwise have to become public.
+
 Three parts, all per example and pure (numpy for the metrics, torch only where the model is evaluated):
 
-1. **Metrics** between a reference score vector and a proxy score vector over the same candidates, with the
-   budget-``b`` Top-b sets taken by :func:`raycurate.algorithms.selection.top_b` (ties by position):
-   :func:`spearman` (average ranks for ties), :func:`top_b_overlap` ``|Top_b(ref) & Top_b(proxy)| / b``,
-   :func:`jaccard` ``|.&.| / |.|.|``, :func:`normalized_regret` and :func:`utility_retention`.  With
+1. **Metrics** (in :mod:`raycurate.algorithms.ranking`) between a reference score vector and a proxy score vector
+   over the same candidates, with the budget-``b`` Top-b sets taken by :func:`raycurate.algorithms.selection.top_b`
+   (ties by position): :func:`spearman` (average ranks for ties),
+   :func:`top_b_overlap` ``|Top_b(ref) & Top_b(proxy)| / b``, :func:`jaccard` ``|.&.| / |.|.|``,
+   :func:`normalized_regret` and :func:`utility_retention`.  With
    ``U_ref(S) = sum_{x in S} ref_x``, App. F.2 defines the retention ``Ret = U_ref(S_proxy) / U_ref(S_ref)`` and
    Table 18 reports ``Norm. Regret = 1 - Ret`` (0.9925 / 0.0075, 0.9948 / 0.0052), so
 
@@ -51,6 +57,14 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from raycurate.algorithms.ranking import (
+    METRICS,
+    normalized_regret,
+    selection_metrics,
+    spearman,
+    top_b_overlap,
+    utility_retention,
+)
 from raycurate.algorithms.selection import budgets, fold_fixed_positions, select, top_b
 
 if TYPE_CHECKING:
@@ -60,160 +74,7 @@ if TYPE_CHECKING:
 SIDES = ("prompt", "response")
 PROXIES = ("attention", "attention_x_a")
 KNOCKOUT = "knockout_grad"  # beyond the paper: first-order prompt knock-out derivative (example_fidelity only)
-METRICS = ("spearman", "top_b_overlap", "jaccard", "normalized_regret")
 DEFAULT_RETENTIONS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.1)
-
-
-# ------------------------------------------------------------------------------------------------ metrics
-
-
-def _pair(ref: np.ndarray, proxy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    ref, proxy = np.asarray(ref, dtype=np.float64), np.asarray(proxy, dtype=np.float64)
-    if ref.ndim != 1 or ref.shape != proxy.shape:
-        raise ValueError(f"ref {ref.shape} and proxy {proxy.shape} must be score vectors over the same candidates")
-    if not (np.isfinite(ref.sum()) and np.isfinite(proxy.sum())):
-        raise ValueError("scores must be finite; drop the example or zero its NaN/inf scores before the metrics")
-    return ref, proxy
-
-
-def average_ranks(x: np.ndarray) -> np.ndarray:
-    """1-based ranks with ties sharing their average rank (scipy.stats.rankdata ``method="average"``).
-
-    Args:
-        x: (n,) scores.
-
-    Returns:
-        (n,) float64 ranks; the smallest score gets rank 1.
-    """
-    x = np.asarray(x, dtype=np.float64)
-    n = x.shape[0]
-    order = np.argsort(x, kind="stable")  # (n,)
-    inverse = np.empty(n, dtype=np.int64)
-    inverse[order] = np.arange(n)
-    xs = x[order]
-    new_value = np.r_[True, xs[1:] != xs[:-1]]  # (n,) True where a run of equal values starts
-    run = np.cumsum(new_value)[inverse]  # (n,) 1-based run id of each element
-    bounds = np.r_[np.flatnonzero(new_value), n]  # (runs + 1,) run start offsets, then n
-    return 0.5 * (bounds[run] + bounds[run - 1] + 1)  # mean of ranks start+1 .. end
-
-
-def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman rank correlation: Pearson correlation of the average ranks (ties share their mean rank).
-
-    Args:
-        x: (n,) scores.
-        y: (n,) scores over the same candidates.
-
-    Returns:
-        The correlation in [-1, 1]; NaN when n < 2 or either vector is constant (undefined, left out of means).
-    """
-    x, y = _pair(x, y)
-    if x.shape[0] < 2:
-        return math.nan
-    rx, ry = average_ranks(x), average_ranks(y)
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    denom = math.sqrt(float(rx @ rx) * float(ry @ ry))
-    if denom == 0.0:
-        return math.nan
-    return float(np.clip(float(rx @ ry) / denom, -1.0, 1.0))
-
-
-def _top_sets(ref: np.ndarray, proxy: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
-    ref, proxy = _pair(ref, proxy)
-    return top_b(ref, b), top_b(proxy, b)
-
-
-def top_b_overlap(ref: np.ndarray, proxy: np.ndarray, b: int) -> float:
-    """``|Top_b(ref) & Top_b(proxy)| / b`` (paper Table 3 "Top-b Overlap").
-
-    Args:
-        ref: (n,) reference scores.
-        proxy: (n,) proxy scores.
-        b: budget, 0 <= b <= n.
-
-    Returns:
-        The overlap in [0, 1]; NaN for b = 0.
-    """
-    s_ref, s_proxy = _top_sets(ref, proxy, b)
-    return math.nan if b == 0 else float((s_ref & s_proxy).sum()) / b
-
-
-def jaccard(ref: np.ndarray, proxy: np.ndarray, b: int) -> float:
-    """``|Top_b(ref) & Top_b(proxy)| / |Top_b(ref) | Top_b(proxy)|`` (paper Table 3 "Jaccard").
-
-    Both sets have b elements, so Jaccard = o / (2 - o) for the overlap o of :func:`top_b_overlap`.
-
-    Args:
-        ref: (n,) reference scores.
-        proxy: (n,) proxy scores.
-        b: budget, 0 <= b <= n.
-
-    Returns:
-        The Jaccard index in [0, 1]; NaN for b = 0.
-    """
-    s_ref, s_proxy = _top_sets(ref, proxy, b)
-    union = int((s_ref | s_proxy).sum())
-    return math.nan if union == 0 else float((s_ref & s_proxy).sum()) / union
-
-
-def normalized_regret(ref: np.ndarray, proxy: np.ndarray, b: int) -> float:
-    """Reference-utility loss of selecting by the proxy (paper Table 3, App. F.2 Table 18: ``1 - Ret``).
-
-    ``(U_ref(S_ref) - U_ref(S_proxy)) / |U_ref(S_ref)|`` with ``U_ref(S) = sum_{x in S} ref_x`` and
-    ``S = Top_b``; ``S_ref`` maximises ``U_ref`` over size-b sets, so the regret is >= 0.
-
-    Args:
-        ref: (n,) reference scores.
-        proxy: (n,) proxy scores.
-        b: budget, 0 <= b <= n.
-
-    Returns:
-        The regret (>= 0; 0 when the proxy set is reference-optimal, also at b = 0); NaN when
-        ``U_ref(S_ref) = 0`` but the proxy set loses utility.
-    """
-    ref, proxy = _pair(ref, proxy)
-    s_ref, s_proxy = top_b(ref, b), top_b(proxy, b)
-    best, got = float(ref[s_ref].sum()), float(ref[s_proxy].sum())
-    loss = max(best - got, 0.0)  # >= 0 up to float summation order
-    if loss == 0.0:
-        return 0.0
-    return math.nan if best == 0.0 else loss / abs(best)
-
-
-def utility_retention(ref: np.ndarray, proxy: np.ndarray, b: int) -> float:
-    """``Ret = U_ref(S_proxy) / U_ref(S_ref)`` (paper App. F.2, Table 18 "Utility Ret.").
-
-    Args:
-        ref: (n,) reference scores.
-        proxy: (n,) proxy scores.
-        b: budget, 0 <= b <= n.
-
-    Returns:
-        The retention (<= 1); NaN when ``U_ref(S_ref) <= 0`` (the ratio is not a retention then; use
-        :func:`normalized_regret`).
-    """
-    ref, proxy = _pair(ref, proxy)
-    best = float(ref[top_b(ref, b)].sum())
-    return math.nan if best <= 0.0 else float(ref[top_b(proxy, b)].sum()) / best
-
-
-def selection_metrics(ref: np.ndarray, proxy: np.ndarray, b: int) -> dict[str, float]:
-    """All Table 3 metrics of one proxy against one reference at budget b.
-
-    Args:
-        ref: (n,) reference scores.
-        proxy: (n,) proxy scores.
-        b: budget, 0 <= b <= n.
-
-    Returns:
-        ``{"spearman", "top_b_overlap", "jaccard", "normalized_regret"}`` floats (NaN where undefined).
-    """
-    return {
-        "spearman": spearman(ref, proxy),
-        "top_b_overlap": top_b_overlap(ref, proxy, b),
-        "jaccard": jaccard(ref, proxy, b),
-        "normalized_regret": normalized_regret(ref, proxy, b),
-    }
 
 
 # --------------------------------------------------------------------------------- exact reference scores

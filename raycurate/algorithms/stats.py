@@ -9,7 +9,7 @@ Every interval is a percentile bootstrap with an explicit seed, so the same inpu
 * :func:`stratified_paired_bootstrap_ci` — the same difference pooled over several corpus seeds (each seed its own
   question set): questions are resampled within each seed and the seeds' mean differences are averaged.
 * :func:`bootstrap_precision_ci` — selection precision against ground-truth labels, resampling the selected rows
-  (AUROC intervals: :func:`raycurate.algorithms.metrics.bootstrap_auroc_ci`).
+  (AUROC intervals: :func:`raycurate.algorithms.ranking.bootstrap_auroc_ci`).
 * :func:`gap_closed` — the share of the clean-vs-mixed (oracle) gap that a method closes.
 """
 

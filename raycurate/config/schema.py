@@ -13,8 +13,8 @@ from raycurate.config.bridge import BridgeConfig
 from raycurate.config.data import DataConfig
 from raycurate.config.model import ModelConfig
 from raycurate.config.p2d import P2DConfig
+from raycurate.config.pool import ActorPoolConfig
 from raycurate.config.train import TrainConfig
-from raycurate.stages.ray_data import ActorPoolConfig
 
 PIPELINES = ("demo", "sft", "bridge", "p2d", "bilevel", "proving_ground")
 DEMO_METHODS = ("sft", "bridge", "p2d", "bilevel")

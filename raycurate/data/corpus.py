@@ -1,5 +1,11 @@
 """The embedded benchmark corpus (SPEC §9): generated SFT data with ground truth on every row.
 
+Why one ~1100-line module: it is one seeded generator. Every row is drawn from a few ``random.Random`` streams in a
+fixed order, and the domain builders (math, code, instruction), the corruptions and the near-duplicates share the
+private ``_Task`` plumbing and the name pools; split across modules, those would become public cross-module names
+and any change in draw order would silently change the corpus that the committed results and hashes are tied to.
+The sections below (entry points, rows and corruptions, math, code, instruction) keep it navigable.
+
 Three domains:
 
 * ``math``: one- and two-step word problems with small numbers (a look-up, +, -, small products) that a ~1M-parameter
@@ -51,7 +57,6 @@ import json
 import math
 import os
 import random
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,7 +198,7 @@ def corpus_summary(rows: list[dict]) -> dict[str, Any]:
 
 
 def write_jsonl(rows: list[dict], path: str | os.PathLike) -> Path:
-    """Write rows as JSON lines atomically (temp file in the same directory, then ``os.replace``).
+    """Write rows as JSON lines atomically (:func:`raycurate.rundir.atomic_file`, fsynced before the rename).
 
     Readers never see a half-written file: either the old file or the complete new one.
 
@@ -204,20 +209,12 @@ def write_jsonl(rows: list[dict], path: str | os.PathLike) -> Path:
     Returns:
         The destination path.
     """
+    from raycurate.rundir import atomic_file  # lazy: the generator itself needs no storage/pyarrow imports
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for row in rows:
-                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
+    with atomic_file(path, fsync=True) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
 
 

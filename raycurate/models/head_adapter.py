@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raycurate.models.loading import _attention_modules, head_geometry
+from raycurate.models.loading import attention_modules, head_geometry
 
 ADAPTER_NAME = "head_delta"
 # slice key -> (projection module name, which side of the weight the delta covers)
@@ -140,7 +140,7 @@ def attach_head_delta(
     geometry = head_geometry(model)
     if geometry["n_heads"] % geometry["n_kv_heads"]:
         raise ValueError(f"n_heads={geometry['n_heads']} is not a multiple of n_kv_heads={geometry['n_kv_heads']}")
-    attentions = {module.layer_idx: module for module in _attention_modules(model)}
+    attentions = {module.layer_idx: module for module in attention_modules(model)}
     if len(attentions) != geometry["n_layers"]:
         raise ValueError(f"found {len(attentions)} attention modules for {geometry['n_layers']} layers")
     if any(hasattr(module, ADAPTER_NAME) for module in attentions.values()):
@@ -163,7 +163,7 @@ def attach_head_delta(
 def _adapters(model: nn.Module) -> list[tuple[nn.Module, HeadDelta]]:
     return [
         (module, getattr(module, ADAPTER_NAME))
-        for module in _attention_modules(model)
+        for module in attention_modules(model)
         if isinstance(getattr(module, ADAPTER_NAME, None), HeadDelta)
     ]
 

@@ -187,7 +187,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _attention_modules(model: PreTrainedModel) -> list[Any]:
+def attention_modules(model: PreTrainedModel) -> list[Any]:
     """Self-attention modules in layer order (those with a ``layer_idx`` whose class name ends in 'Attention')."""
     modules = [
         module
@@ -262,7 +262,7 @@ def enable_attention_outputs(model: PreTrainedModel, layers: list[int] | None = 
         with a layer subset, the other entries are empty (B, n_heads, 0, 0) placeholders.  Logits are unchanged
         (up to float rounding).  ``model.set_attn_implementation("sdpa")`` switches back.
     """
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     n_layers = len(modules)
     if layers is None:
         model.set_attn_implementation("eager")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -26,11 +25,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from raycurate.models.optim import cosine_with_warmup, decay_param_groups
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: warmup (step + 1) / (warmup + 1) of models.optim.cosine_with_warmup
+LR_FLOOR = 0.1  # the cosine decays to 10% of lr
 METADATA_FILE = "pretrain_metadata.json"
 
 
@@ -75,22 +77,11 @@ def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), input_ids[:, 1:].reshape(-1))
 
 
-def warmup_cosine(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
-    """Learning-rate multiplier: linear warm-up to 1 over ``warmup`` steps, then cosine decay to ``floor``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
 def _adamw(model: PreTrainedModel, lr: float, weight_decay: float) -> Any:
+    """AdamW (betas 0.9/0.95) with weight decay on the matrices only (:func:`decay_param_groups`)."""
     import torch
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(decay_param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def _batches(n_blocks: int, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
@@ -179,8 +170,8 @@ def pretrain_causal_lm(
         bar = tqdm(_batches(len(blocks), batch_size, steps, generator), total=steps, disable=not progress,
                    desc="pretrain", unit="step")
         for step, index in enumerate(bar):
-            losses.append(_training_step(model, optimizer, blocks[index].to(device), lr * warmup_cosine(step, steps,
-                                                                                                         warmup)))
+            multiplier = cosine_with_warmup(step, warmup, steps, floor=LR_FLOOR)
+            losses.append(_training_step(model, optimizer, blocks[index].to(device), lr * multiplier))
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     return losses
@@ -402,7 +393,7 @@ def pretrain_curriculum(
                 if stop_after is not None and step >= stop_after:
                     break
                 losses.append(_training_step(model, optimizer, blocks[index].to(device),
-                                             lr * warmup_cosine(step, steps, warmup)))
+                                             lr * cosine_with_warmup(step, warmup, steps, floor=LR_FLOOR)))
                 if on_step is not None:
                     on_step(step, max_len, losses[-1])
     model.eval()

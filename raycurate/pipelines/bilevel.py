@@ -21,9 +21,9 @@ log = logging.getLogger("raycurate")
 
 def has_labels(run: Any, tokens_stage: str) -> bool:
     """Whether a token table carries the embedded corpus's ground-truth labels."""
-    from raycurate.stages.bilevel import _label_columns
+    from raycurate.stages.bilevel import label_columns
 
-    return "label" in _label_columns(run, tokens_stage)
+    return "label" in label_columns(run, tokens_stage)
 
 
 def split_rows(run: Any, cfg: Any) -> bool:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from raycurate.config.loader import config_hash
+from raycurate.errors import UserError
 from raycurate.rundir import RunDir, atomic_dir, check_stage_name
 
 log = logging.getLogger("raycurate")
@@ -38,6 +39,33 @@ class StageOutput:
 
 class StageFailed(RuntimeError):
     """A stage raised; the manifest records it as ``failed`` with the error."""
+
+
+class MissingColumnsError(UserError):
+    """A stage's input rows lack columns its UDF reads (instead of a bare ``KeyError`` deep inside the UDF)."""
+
+
+def require_columns(stage: str, batch: Any, required: Iterable[str]) -> None:
+    """Check that a UDF's input batch has every column the UDF declares it reads.
+
+    Ray Data UDF classes declare ``REQUIRED_COLUMNS`` and call this first thing in ``__call__``.
+
+    Args:
+        stage: Name of the stage running the UDF (named in the error).
+        batch: A ``pyarrow.Table`` (``column_names``) or a dict of columns.
+        required: Column names the UDF reads.
+
+    Raises:
+        MissingColumnsError: Naming the stage, the missing columns, the columns present and what to do.
+    """
+    names = getattr(batch, "column_names", None)
+    present = list(batch) if names is None else list(names)
+    missing = sorted(set(required) - set(present))
+    if missing:
+        raise MissingColumnsError(
+            f"stage '{stage}': its input rows lack the column(s) {missing} (they have {sorted(present)}); the "
+            "upstream stage's output does not match what this stage reads. Re-run the upstream stages with "
+            "--force (their outputs may come from an older raycurate or another pipeline), or check the input files")
 
 
 def stage_hash(run: RunDir, config: Any, upstream: Iterable[str]) -> str:

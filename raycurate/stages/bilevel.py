@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from raycurate.algorithms.metrics import auroc
+from raycurate.algorithms.ranking import auroc
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir, stage_hash
 from raycurate.stages.bridge import read_token_rows
@@ -63,7 +63,8 @@ class PoolGenerationHook:
 
     def masked(self, omega: Any) -> Any:
         """Indices of the masked questions for this round."""
-        from raycurate.algorithms.bilevel import data_weights, masked_questions_dynamic, masked_questions_fixed
+        from raycurate.algorithms.bilevel import data_weights
+        from raycurate.algorithms.bmo import masked_questions_dynamic, masked_questions_fixed
 
         if self.mask == "dynamic":
             return masked_questions_dynamic(data_weights(omega), self.ratio)
@@ -230,7 +231,7 @@ def response_logprobs(model_dir: Path, candidates: Path, rows: list[dict]) -> li
     """Teacher-forced log-probs of each generated response (after its question's prompt) under ``model_dir``."""
     import torch
 
-    from raycurate.algorithms.bilevel import token_logprobs
+    from raycurate.algorithms.bmo import token_logprobs
     from raycurate.models.loading import best_device, load_model
 
     prompts = {r["id"]: r["input_ids"][: r["prompt_len"]]
@@ -371,13 +372,13 @@ def weight_analysis(run: RunDir, bds_stage_name: str, candidate_stage: str, top:
     import numpy as np
     import pyarrow.parquet as pq
 
-    from raycurate.algorithms.fidelity import spearman
+    from raycurate.algorithms.ranking import spearman
 
     weights = pq.read_table(output_path(run, bds_stage_name, "weights")).to_pylist()
     last = max(w["step"] for w in weights)
     final = {w["id"]: w for w in weights if w["step"] == last}
     labels = {r["id"]: (r.get("label") or {}) for r in read_token_rows(output_path(run, candidate_stage, "tokens"),
-                                                                       _label_columns(run, candidate_stage))}
+                                                                       label_columns(run, candidate_stage))}
     ids = sorted(final)
     sigma = np.array([final[i]["sigma"] for i in ids])
     info: dict[str, Any] = {"snapshot_step": int(last), "candidates": len(ids)}
@@ -427,7 +428,7 @@ def label_separation(scores: Any, clean: Any, kinds: Any, seed: int, resamples: 
     """
     import numpy as np
 
-    from raycurate.algorithms.metrics import auroc_by_kind, bootstrap_auroc_ci
+    from raycurate.algorithms.ranking import auroc_by_kind, bootstrap_auroc_ci
 
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {"auroc": auroc(scores, clean),
@@ -446,7 +447,13 @@ def label_separation(scores: Any, clean: Any, kinds: Any, seed: int, resamples: 
     return out
 
 
-def _label_columns(run: RunDir, stage: str) -> list[str]:
+def label_columns(run: RunDir, stage: str) -> list[str]:
+    """The row-key columns of a stage's token table: ``["id", "label"]`` when it carries labels, else ``["id"]``.
+
+    Args:
+        run: The run directory.
+        stage: Stage whose ``tokens`` output is read (its first parquet file's schema only).
+    """
     import pyarrow.parquet as pq
 
     first = next(iter(sorted(output_path(run, stage, "tokens").glob("*.parquet"))))

@@ -46,7 +46,7 @@ Decisions:
 * Online BMO (Algorithm 1): a :class:`GenerationHook` returns G responses (with generation-time log-probs) for
   the masked questions every ``generation_every`` steps; from then on a sampled masked question trains on them as
   one slot -- loss ``1/G sum_g r_g l_g`` with importance weights ``r`` (``importance``: per-token clipped ratio or
-  per-question self-normalised, :func:`~raycurate.algorithms.bilevel.grouped_response_losses`), slot weight
+  per-question self-normalised, :func:`~raycurate.algorithms.bmo.grouped_response_losses`), slot weight
   ``gamma_k sigma_i B / cand_batch`` (eq. 9, 10a) -- and the omega step uses the unweighted mean of its
   responses' losses (eq. 10c).  The masked set is the set of questions of the latest generation round (fixed or
   dynamic is the hook's choice); the responses are checkpointed (``online_responses.parquet``).  Labels are
@@ -65,7 +65,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from raycurate.algorithms import bilevel
+from raycurate.algorithms import bilevel, bmo
 from raycurate.config.train import TrainConfig
 from raycurate.stages.train import RaySession, launch_trainer, worker_resources
 from raycurate.training.batches import TokenTable, load_token_table, stack_tables, to_device
@@ -157,7 +157,7 @@ class GenerationHook(Protocol):
     """Online BMO extension point (Algorithm 1, lines 5-7), called on every rank before 0-based step ``s`` when
     ``(s + 1) % bds.generation_every == 0`` (the paper's ``k mod K_gen = 0`` with ``k = s + 1``).
 
-    An implementation picks the masked questions (:func:`~raycurate.algorithms.bilevel.masked_questions_fixed`, or
+    An implementation picks the masked questions (:func:`~raycurate.algorithms.bmo.masked_questions_fixed`, or
     ``masked_questions_dynamic(data_weights(omega), R)``), builds their requests with :func:`generation_requests`,
     asks the generation actor pool (:mod:`raycurate.stages.generation`) for G responses each from the current
     policy (``module``: save its adapter where the actors can read it) and returns the pool's rows
@@ -187,8 +187,8 @@ def check_bds_batches(cfg: TrainConfig, bds: BDSSettings, world_size: int) -> in
                          f"{bilevel.OMEGA_OPTIMIZERS}.")
     if bds.omega_baseline not in bilevel.OMEGA_BASELINES:
         raise ValueError(f"bds.omega_baseline={bds.omega_baseline!r} is unknown; use one of {bilevel.OMEGA_BASELINES}.")
-    if bds.importance not in bilevel.IMPORTANCE_MODES:
-        raise ValueError(f"bds.importance={bds.importance!r} is unknown; use one of {bilevel.IMPORTANCE_MODES}.")
+    if bds.importance not in bmo.IMPORTANCE_MODES:
+        raise ValueError(f"bds.importance={bds.importance!r} is unknown; use one of {bmo.IMPORTANCE_MODES}.")
     if bds.generation_every is not None and bds.generation_every < 1:
         raise ValueError(f"bds.generation_every={bds.generation_every} must be >= 1 (or null for offline BDS).")
     if bds.val_batch < 1 or bds.cand_batch < 1:
@@ -314,7 +314,7 @@ class _LossRecorder:
             self.per_slot.append(per_example.detach().float().cpu())
             return weighted_batch_loss(per_example, batch["weight"])
         per_token = token_losses(logits, batch["input_ids"], batch["loss_mask"])  # (R, T)
-        weighted, plain = bilevel.grouped_response_losses(
+        weighted, plain = bmo.grouped_response_losses(
             per_token, batch["loss_mask"], batch["old_logp"], batch["generated"], batch["slot"],
             len(batch["weight"]), self.mode, self.clip)  # (S,), (S,)
         self.per_slot.append(plain.float().cpu())

@@ -13,9 +13,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir
-from raycurate.stages.ray_data import ActorPoolConfig, resolve_pool
+from raycurate.stages.ray_data import resolve_pool
 from raycurate.stages.runtime import run_as_task
 
 log = logging.getLogger("raycurate")

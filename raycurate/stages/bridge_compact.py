@@ -230,7 +230,8 @@ def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stag
         else:
             import ray.data
 
-            from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+            from raycurate.config.pool import ActorPoolConfig
+            from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
 
             ray.data.DataContext.get_current().execution_options.preserve_order = True
             pool = resolve_pool(pool_cfg or ActorPoolConfig(batch_size=16))

@@ -7,9 +7,10 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
+from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
-from raycurate.stages.base import StageOutput, output_path, run_stage
-from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage
+from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
 
 log = logging.getLogger("raycurate")
 
@@ -120,13 +121,17 @@ class TokenizeUDF:
     stage can account for them; the stage splits them off afterwards.
     """
 
-    def __init__(self, tokenizer_dir: str, max_length: int):
+    REQUIRED_COLUMNS = ("id", "prompt", "response")
+
+    def __init__(self, tokenizer_dir: str, max_length: int, stage: str = "tokenize"):
         from raycurate.models.loading import load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.max_length = max_length
+        self.stage = stage
 
     def __call__(self, batch: Any) -> Any:
+        require_columns(self.stage, batch, self.REQUIRED_COLUMNS)
         return tokenize_arrow_batch(self.tokenizer, batch, self.max_length)
 
 
@@ -215,7 +220,8 @@ def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, ma
         ray.data.DataContext.get_current().execution_options.preserve_order = True
         ds = ray.data.read_parquet(str(accepted))
         pool = resolve_pool(pool_cfg)
-        ds = map_with_actor_pool(ds, TokenizeUDF, {"tokenizer_dir": str(tokenizer_dir), "max_length": max_length},
+        ds = map_with_actor_pool(ds, TokenizeUDF, {"tokenizer_dir": str(tokenizer_dir), "max_length": max_length,
+                                                          "stage": "tokenize"},
                                  pool)
         ds.write_parquet(str(out / "_all"))
         (out / "_all").mkdir(exist_ok=True)  # Ray writes no folder when every row was dropped

@@ -31,12 +31,12 @@ import dataclasses
 import importlib.util
 import logging
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from raycurate.rundir import atomic_file
 from raycurate.stages.runtime import actor_cpus, cluster_cpus, cluster_gpus
 
 if TYPE_CHECKING:
@@ -463,7 +463,7 @@ def generations_table(rows: Sequence[dict]) -> Any:
 
 
 def write_generations(rows: Sequence[dict], path: str | Path) -> Path:
-    """Write ``generations.parquet`` atomically (temp file in the same folder, then ``os.replace``).
+    """Write ``generations.parquet`` atomically (:func:`raycurate.rundir.atomic_file`).
 
     Args:
         rows: Generation rows (see :func:`generations_table`).
@@ -475,14 +475,7 @@ def write_generations(rows: Sequence[dict], path: str | Path) -> Path:
     import pyarrow.parquet as pq
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     table = generations_table(rows)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from raycurate.rundir import RunDir
-from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir, stage_hash
+from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage, scratch_dir, stage_hash
 from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
 
 log = logging.getLogger("raycurate")
@@ -93,8 +93,10 @@ def train_stage(run: RunDir, stage: str, *, tokens_stage: str, init_stage: str, 
 class EvaluateUDF:
     """Ray Data actor: greedy answers and gold-response loss for held-out questions."""
 
+    REQUIRED_COLUMNS = ("id", "prompt", "response", "label")
+
     def __init__(self, model_dir: str, max_length: int, max_new_tokens: int, batch_size: int, threads: int,
-                 samples: int = 0, temperature: float = 1.0, seed: int = 0):
+                 samples: int = 0, temperature: float = 1.0, seed: int = 0, stage: str = "evaluate"):
         import torch
 
         from raycurate.models.loading import best_device, load_model, load_tokenizer
@@ -106,10 +108,12 @@ class EvaluateUDF:
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.sampling = {"samples": samples, "temperature": temperature, "seed": seed}
+        self.stage = stage
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
 
+        require_columns(self.stage, batch, self.REQUIRED_COLUMNS)
         rows = evaluate_rows(self.model, self.tokenizer, batch.to_pylist(), max_length=self.max_length,
                              max_new_tokens=self.max_new_tokens, batch_size=self.batch_size, **self.sampling)
         return pa.Table.from_pylist(rows)
@@ -265,7 +269,8 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
             ds, EvaluateUDF,
             {"model_dir": str(model_dir), "max_length": max_length, "max_new_tokens": eval_cfg.max_new_tokens,
              "batch_size": eval_cfg.batch_size, "threads": max(1, int(round(pool.num_cpus))),
-             "samples": eval_cfg.samples, "temperature": eval_cfg.temperature, "seed": eval_cfg.seed},
+             "samples": eval_cfg.samples, "temperature": eval_cfg.temperature, "seed": eval_cfg.seed,
+             "stage": stage},
             pool,
         )
         result = pa.Table.from_pylist(ds.take_all()).sort_by("id")

@@ -13,10 +13,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
-from raycurate.stages.base import StageOutput, output_path, run_stage
+from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage
 from raycurate.stages.bridge import read_token_rows
-from raycurate.stages.ray_data import ActorPoolConfig, map_with_actor_pool, resolve_pool
+from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
 from raycurate.stages.runtime import run_as_task
 
 log = logging.getLogger("raycurate")
@@ -201,8 +202,10 @@ def _counted(prompt: Any) -> list[bool]:
 class IclProbeUDF:
     """Ray Data actor: for each ICL prompt, the query score s^(k) and the selected heads' attention weights w^(k)."""
 
+    REQUIRED_COLUMNS = ("prompt_id", "demos", "queries")
+
     def __init__(self, model_dir: str, tokens_dir: str, heads: list[list[int]], instruction: str, query_score: str,
-                 max_prompt_tokens: int, max_new_tokens: int, threads: int):
+                 max_prompt_tokens: int, max_new_tokens: int, threads: int, stage: str = "p2d_probe"):
         import torch
 
         from raycurate.models.loading import enable_attention_outputs, head_geometry, load_model, load_tokenizer
@@ -225,6 +228,7 @@ class IclProbeUDF:
         self.instruction = bos + self.tokenizer.encode(instruction + "\n\n", add_special_tokens=False)
         self.bos = bos
         self.query_score, self.max_prompt_tokens, self.max_new_tokens = query_score, max_prompt_tokens, max_new_tokens
+        self.stage = stage
 
     def _body(self, example_id: str) -> tuple[list[int], list[int]]:
         """(prompt part, response part) of an example's token row, without its BOS."""
@@ -236,6 +240,7 @@ class IclProbeUDF:
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
 
+        require_columns(self.stage, batch, self.REQUIRED_COLUMNS)
         results = [self.probe(prompt) for prompt in batch.to_pylist()]
         out = batch
         for name, kind in (("demo_weights", pa.list_(pa.float64())), ("query_scores", pa.list_(pa.float64())),
@@ -323,7 +328,7 @@ def probe_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, he
             "model_dir": str(model_dir), "tokens_dir": str(tokens), "heads": selected_heads(run, heads_stage_name),
             "instruction": p2d_cfg.instruction, "query_score": p2d_cfg.query_score,
             "max_prompt_tokens": p2d_cfg.max_prompt_tokens, "max_new_tokens": max_new_tokens,
-            "threads": max(1, int(round(pool.num_cpus))),
+            "threads": max(1, int(round(pool.num_cpus))), "stage": stage,
         }, pool)
         ds.write_parquet(str(out / "probes"))
         rows = read_token_rows(out / "probes", ["tokens", "score"])
@@ -425,7 +430,9 @@ def selected_ids(run: RunDir, select_stage_name: str) -> list[str]:
 class IfdUDF:
     """Ray Data actor: IFD = loss(response | instruction) / loss(response alone) under the base model."""
 
-    def __init__(self, model_dir: str, threads: int):
+    REQUIRED_COLUMNS = ("input_ids", "prompt_len")
+
+    def __init__(self, model_dir: str, threads: int, stage: str = "p2d_ifd"):
         import torch
 
         from raycurate.models.loading import best_device, load_model, load_tokenizer
@@ -435,6 +442,7 @@ class IfdUDF:
         tokenizer = load_tokenizer(model_dir)
         self.pad_id = tokenizer.pad_token_id or 0
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.stage = stage
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
@@ -444,6 +452,7 @@ class IfdUDF:
         from raycurate.algorithms.ifd import ifd_scores
         from raycurate.algorithms.losses import example_losses
 
+        require_columns(self.stage, batch, self.REQUIRED_COLUMNS)
         rows = batch.select(["input_ids", "prompt_len"]).to_pylist()
         cond = [{"input_ids": r["input_ids"], "loss_mask": [0] * r["prompt_len"] +
                  [1] * (len(r["input_ids"]) - r["prompt_len"])} for r in rows]
@@ -472,7 +481,7 @@ def ifd_select_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: st
         ds = ray.data.read_parquet(str(output_path(run, pool_stage, "tokens"))).select_columns(
             ["id", "input_ids", "prompt_len"])
         ds = map_with_actor_pool(ds, IfdUDF, {"model_dir": str(output_path(run, base_stage, "model")),
-                                              "threads": max(1, int(round(pool.num_cpus)))}, pool)
+                                              "threads": max(1, int(round(pool.num_cpus))), "stage": stage}, pool)
         scores = {r["id"]: r["ifd"] for r in ds.select_columns(["id", "ifd"]).take_all()}
         ids = sorted(scores)
         k = max(1, round(ratio * len(ids)))

@@ -11,27 +11,10 @@ import dataclasses
 import logging
 from typing import Any
 
-from raycurate.config.base import option
+from raycurate.config.pool import ActorPoolConfig
 from raycurate.stages.runtime import actor_cpus, cluster_cpus, cluster_gpus
 
 log = logging.getLogger("raycurate")
-
-
-@dataclasses.dataclass
-class ActorPoolConfig:
-    """How a Ray Data actor-pool stage is sized."""
-
-    num_actors: int = option(2, "Actors in the pool (one model copy each).", ge=1)
-    cpus_per_actor: float | None = option(
-        None, "CPUs per actor; null sizes it from the cluster so read/write tasks always keep a CPU (no deadlock).",
-        gt=0
-    )
-    gpus_per_actor: float | None = option(
-        None, "GPUs per actor; null means 1 when the cluster has GPUs, else 0 (CPU actors).", ge=0
-    )
-    batch_size: int = option(64, "Rows per batch handed to an actor.", ge=1)
-    shard_rows: int = option(1024, "Rows per resumable shard (stages on raycurate.stages.sharded: a killed job "
-                             "recomputes only unfinished shards).", ge=1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,11 +39,10 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from raycurate.rundir import RunDir, atomic_write_json
+from raycurate.rundir import RunDir, atomic_file, atomic_write_json
 from raycurate.stages.base import StageOutput, run_stage, scratch_dir
 
 log = logging.getLogger("raycurate")
@@ -224,14 +223,9 @@ def write_shard(shards_dir: str | os.PathLike, shard: Shard, table: Any, key: st
     import pyarrow.parquet as pq
 
     final = part_path(shards_dir, shard)
-    # A retried task may race an earlier attempt of the same shard: each writes its own temp name.
-    tmp = final.with_name(f".{final.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-    try:
+    # A retried task may race an earlier attempt of the same shard: atomic_file gives each its own temp name.
+    with atomic_file(final) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     marker = {"shard": shard.index, "rows": table.num_rows, "input_rows": [shard.start, shard.stop],
               "sha256": file_sha256(final), "plan": key, "seconds": round(seconds, 3), "pid": os.getpid(),
               "finished": time.time()}

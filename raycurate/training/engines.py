@@ -17,9 +17,9 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from raycurate.config.train import TrainConfig
+from raycurate.models.optim import cosine_with_warmup, decay_param_groups
 from raycurate.training.batches import LossFn
 from raycurate.training.deepspeed_config import UNIVERSAL_CLIENT_STATE, deepspeed_config, grad_accum_steps
-from raycurate.training.order import cosine_with_warmup
 from raycurate.training.zero_checkpoint import (
     DS_TAG,
     consolidate_zero_checkpoint,
@@ -44,26 +44,13 @@ def load_model(init_model: str, dtype: Any) -> Any:
     return model
 
 
-def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW parameter groups: weight decay on matrices only; biases and norm scales (1-D) are not decayed.
-
-    Returns:
-        The non-empty groups among ``[decay, no_decay]`` (adapters have no 1-D parameters; DeepSpeed drops empty
-        groups, so they are left out here too).
-    """
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trainable if p.ndim >= 2]
-    no_decay = [p for p in trainable if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
 def optimizer_and_schedule(model: Any, cfg: TrainConfig, run_steps: int) -> tuple[Any, Any]:
-    """AdamW over :func:`param_groups` and a ``LambdaLR`` on :func:`~raycurate.training.order.cosine_with_warmup`
+    """AdamW over :func:`~raycurate.models.optim.decay_param_groups` and a ``LambdaLR`` on
+    :func:`~raycurate.models.optim.cosine_with_warmup`
     over ``run_steps`` steps (warmup = ``round(cfg.warmup_ratio * run_steps)``)."""
     import torch
 
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    optimizer = torch.optim.AdamW(decay_param_groups(model, cfg.weight_decay), lr=cfg.lr)
     warmup = int(round(cfg.warmup_ratio * run_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: cosine_with_warmup(step, warmup, run_steps)

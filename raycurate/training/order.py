@@ -1,4 +1,5 @@
-"""Data order, step counts, the LR schedule and the checkpoint cadence of a training run (pure numpy/math).
+"""Data order, step counts and the checkpoint cadence of a training run (pure numpy/math; the LR schedule is
+:func:`raycurate.models.optim.cosine_with_warmup`).
 
 Rows are sorted by ``id`` (file layout does not matter), then epoch ``e`` uses the permutation
 ``np.random.default_rng([seed, e])``.  Optimizer step ``s`` of the epoch takes the permuted rows ``[s*E, (s+1)*E)``
@@ -64,17 +65,6 @@ def micro_batch_rows(
     per_step = accum * world_size * micro_batch_size
     steps = len(order) // per_step
     return order[: steps * per_step].reshape(steps, accum, world_size, micro_batch_size)
-
-
-def cosine_with_warmup(step: int, warmup_steps: int, total: int) -> float:
-    """LR multiplier of optimizer step ``step`` (0-based): linear warmup, then cosine decay towards 0.
-
-    Warmup uses ``(step + 1) / (warmup_steps + 1)`` so the first step already learns.
-    """
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    progress = (step - warmup_steps) / max(1, total - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
 def should_checkpoint(done: int, run_steps: int, per_epoch: int, every: int | None) -> bool:

@@ -1,0 +1,525 @@
+"""Structural units of a response text: alignment, segmentation, merge/split (paper App. G.1, D.2, D.3; SPEC §4).
+
+The first half of the BRIDGE closure projection (:mod:`raycurate.algorithms.closure` scores and selects the
+units).  A unit is a contiguous run of the example's *eligible* response positions ``0 .. r-1`` (the response side
+of the token row without the fixed EOS; template markers such as ``<|end|>`` are eligible and carry ``(-1, -1)``
+offsets).  Pure Python/numpy: no torch, no Ray, no I/O.
+
+Decisions (the paper leaves these open; App. G.1 gives the rules, not the constants):
+
+* **Units** (G.1 "tokenizer-aligned, task-specific boundaries", D.2, D.3).  Boundaries are found on the text and
+  mapped to tokens through each token's first non-whitespace character (a token ``" The"`` belongs to the sentence
+  of ``T``; ``".\\n"`` to the sentence it ends); unaligned tokens join the unit of the token before them.
+  math: lines, cut further into sentences; a unit holding ``=`` or display math is an ``equation``, else a
+  ``step``.  The final-answer unit (``#### 42``, ``\\boxed{...}``, a line ``The answer is: 42``) is mandatory.
+  code: statements = logical lines (a newline inside open ``()[]{}`` does not end a statement; quotes and ``#``
+  comments are skipped on the line; prose outside ````` fences is cut into sentences).  instruction: list items
+  (lines starting ``- ``, ``* ``, ``+ ``, ``• ``, ``1. ``, ``1) ``) and sentences.  Any other domain: sentences.
+* **Tagged regions** (G.1 "overlapping tagged regions are merged before selection"): final-answer tags and display
+  math (``$$..$$``, ``\\[..\\]``) absorb every base unit they overlap; such *protected* units are never split,
+  so they may exceed ``max_unit_tokens``, and are never merged away when short.
+* **Merge, then split.**  A non-protected unit shorter than ``min_unit_tokens`` (4) merges into a neighbour:
+  non-mandatory neighbours first, then the smaller one, then the left one; it takes the neighbour's kind.  Repeat
+  left to right until no such unit remains.  Then every non-protected unit longer than ``max_unit_tokens`` (96) is
+  cut into ``ceil(n / 96)`` contiguous chunks of near-equal size (earlier chunks one longer), which are at least
+  ``48 >= 4`` tokens, so both limits hold afterwards for the defaults.
+* **Core** of a unit (the ``u_core`` of eq. 11): its aligned tokens that contain at least one alphanumeric
+  character; whitespace, punctuation, bracket and template tokens are supervised with their unit but do not
+  count in ``q(u)``.  A unit with an empty core has ``q = 0``.
+* **Alignment**: :func:`verify_alignment` (offsets inside the text, monotone, covering every non-whitespace
+  character) must pass before units are built; :func:`aligned_units` reports a failure instead of raising, so
+  the projection can fall back to the token mask.
+
+Cost: units depend only on the text and offsets, so a caller that re-projects with other scores or budgets can
+build them once per example.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+MAX_UNIT_TOKENS = 96
+MIN_UNIT_TOKENS = 4
+PRIORITY = {"answer": 3, "equation": 2}
+
+_NO_SPAN = (-1, -1)
+_LIST_ITEM = re.compile(r"[ \t]*(?:[-*+\u2022]|\d{1,3}[.)])[ \t]+\S")
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*[ \t]+(?=\S)")
+_LINE_OR_SENTENCE_END = re.compile(r"\n|[.!?][\"')\]]*[ \t]+(?=\S)")
+_ENUMERATOR = re.compile(r"\s*(?:\d{1,3}|[A-Za-z])[.)]\s*")
+_FINAL_HASH = re.compile(r"####[ \t]*([^\n]*)")
+_ANSWER_LINE = re.compile(r"(?im)^[ \t]*(?:the[ \t]+)?(?:final[ \t]+)?answer[ \t]+is[ \t]*:?[ \t]*(\S[^\n]*)")
+_DISPLAY_MATH = re.compile(r"\$\$.+?\$\$|\\\[.+?\\\]", re.S)
+_FENCE = re.compile(r"(?m)^[ \t]*```[^\n]*(?:\n|$)")
+
+
+class Unit(NamedTuple):
+    """One structural unit: the contiguous eligible response positions ``[token_start, token_end)``.
+
+    Attributes:
+        token_start: First position (inclusive).
+        token_end: Last position + 1 (exclusive).
+        kind: ``answer``, ``equation``, ``step``, ``statement``, ``sentence``, ``list_item`` or ``fence``.
+        mandatory: Final-answer unit, taken before the knapsack whenever it fits.
+        priority: Structural priority for tie-breaks (higher wins).
+        core: Absolute positions counted in ``q(u)``; ``None`` means every position of the unit.
+        key: Absolute positions kept first when a mandatory unit must be cut (the answer payload).
+    """
+
+    token_start: int
+    token_end: int
+    kind: str
+    mandatory: bool = False
+    priority: int = 1
+    core: tuple[int, ...] | None = None
+    key: tuple[int, ...] = ()
+
+    @property
+    def size(self) -> int:
+        """Number of positions ``|u|`` (what the unit costs in the budget)."""
+        return self.token_end - self.token_start
+
+    def core_positions(self) -> np.ndarray:
+        """(|core|,) int64 absolute positions of the core."""
+        if self.core is None:
+            return np.arange(self.token_start, self.token_end, dtype=np.int64)
+        return np.asarray(self.core, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class AlignmentCheck:
+    """Outcome of :func:`verify_alignment`; ``reason`` is empty when ``ok``."""
+
+    ok: bool
+    reason: str = ""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Alignment
+
+
+def pairs_from_flat(flat: Sequence[int]) -> list[tuple[int, int]]:
+    """``[s0, e0, s1, e1, ...]`` (the token row's ``response_offsets``) -> ``[(s0, e0), (s1, e1), ...]``."""
+    if len(flat) % 2:
+        raise ValueError(f"flat offsets need an even length (start, end per token); got {len(flat)} values")
+    return [(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+
+_ASCII_SPACE = np.array([chr(c).isspace() for c in range(128)])
+_ASCII_ALNUM = np.array([chr(c).isalnum() for c in range(128)])
+
+
+def _char_classes(text: str) -> tuple[np.ndarray, np.ndarray]:
+    """(n,) bool non-whitespace and (n,) bool alphanumeric flags per character (vectorised over code points)."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)  # (n,)
+    if text.isascii():
+        return ~_ASCII_SPACE[codes], _ASCII_ALNUM[codes]
+    space, alnum = np.zeros(codes.shape, dtype=bool), np.zeros(codes.shape, dtype=bool)
+    small = codes < 128
+    space[small], alnum[small] = _ASCII_SPACE[codes[small]], _ASCII_ALNUM[codes[small]]
+    uniq, inverse = np.unique(codes[~small], return_inverse=True)
+    space[~small] = np.array([chr(c).isspace() for c in uniq], dtype=bool)[inverse]
+    alnum[~small] = np.array([chr(c).isalnum() for c in uniq], dtype=bool)[inverse]
+    return ~space, alnum
+
+
+def _span_array(offsets: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
+    """(r, 2) int64 spans from a list of pairs or an array."""
+    if isinstance(offsets, np.ndarray):
+        return offsets.astype(np.int64, copy=False).reshape(-1, 2)
+    flat = itertools.chain.from_iterable(offsets)
+    return np.fromiter(flat, dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
+
+
+def _alignment(response: str, spans: np.ndarray, nonws: np.ndarray) -> AlignmentCheck:
+    n = len(response)
+    aligned = ~((spans[:, 0] == -1) & (spans[:, 1] == -1))  # (r,)
+    index = np.flatnonzero(aligned)
+    start, end = spans[index, 0], spans[index, 1]
+    bad = (start < 0) | (start >= end) | (end > n)
+    if bad.any():
+        k = int(index[np.argmax(bad)])
+        return AlignmentCheck(False, f"token {k} span {tuple(spans[k].tolist())} is outside the text of length {n}")
+    back = (np.diff(start) < 0) | (np.diff(end) < 0)
+    if back.any():
+        j = int(np.argmax(back))
+        return AlignmentCheck(False, f"token {int(index[j + 1])} span {tuple(spans[index[j + 1]].tolist())} "
+                                     f"goes back before {tuple(spans[index[j]].tolist())}")
+    depth = np.cumsum(np.bincount(start, minlength=n + 1) - np.bincount(end, minlength=n + 1))[:n]  # (n,)
+    uncovered = nonws & (depth <= 0)
+    if uncovered.any():
+        i = int(np.argmax(uncovered))
+        return AlignmentCheck(False, f"character {i} ({response[i]!r}) is not covered by any token")
+    return AlignmentCheck(True)
+
+
+def verify_alignment(response: str, offsets: Sequence[tuple[int, int]]) -> AlignmentCheck:
+    """Check that token offsets describe ``response`` faithfully.
+
+    Conditions: every span is ``(-1, -1)`` (special/template token) or ``0 <= start < end <= len(response)``;
+    aligned spans are monotone (starts and ends non-decreasing; byte-level tokens of one multi-byte character may
+    share a span); every non-whitespace character of ``response`` lies in some span.
+
+    Args:
+        response: The response text the offsets index into.
+        offsets: (r,) ``(start, end)`` character spans of the eligible response tokens.
+
+    Returns:
+        ``AlignmentCheck(ok, reason)``; the reason names the first failing token or character.
+    """
+    return _alignment(response, _span_array(offsets), _char_classes(response)[0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Character-level segmentation
+
+
+@dataclass
+class _Seg:
+    start: int
+    end: int
+    kind: str
+    mandatory: bool = False
+    protected: bool = False
+    keys: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _cut(start: int, end: int, cuts: list[int]) -> list[tuple[int, int]]:
+    points = [start] + [c for c in cuts if start < c < end] + [end]
+    return [(a, b) for a, b in zip(points, points[1:]) if b > a]
+
+
+def _line_spans(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    cuts = [m.end() for m in re.finditer("\n", text[start:end])]
+    return _cut(start, end, [start + c for c in cuts])
+
+
+def _sentence_cuts(text: str, start: int, end: int) -> list[int]:
+    cuts, piece_start = [], start
+    for m in _SENTENCE_END.finditer(text, start, end):
+        if _ENUMERATOR.fullmatch(text, piece_start, m.end()):
+            continue  # "1. " or "a) " opens a sentence, it does not end one
+        cuts.append(m.end())
+        piece_start = m.end()
+    return cuts
+
+
+def _sentence_spans(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """Lines cut into sentences, in one regex pass."""
+    cuts, piece_start = [], start
+    for m in _LINE_OR_SENTENCE_END.finditer(text, start, end):
+        if m.group() != "\n" and _ENUMERATOR.fullmatch(text, piece_start, m.end()):
+            continue  # "1. " or "a) " opens a sentence, it does not end one
+        cuts.append(m.end())
+        piece_start = m.end()
+    return _cut(start, end, cuts)
+
+
+def _statement_spans(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """Logical lines: a newline ends a statement only outside open brackets (quotes and comments skipped)."""
+    cuts, depth, quote, comment = [], 0, "", False
+    for i in range(start, end):
+        ch = text[i]
+        if ch == "\n":
+            quote, comment = "", False
+            if depth == 0:
+                cuts.append(i + 1)
+        elif comment:
+            continue
+        elif quote:
+            if ch == quote and text[i - 1] != "\\":
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#":
+            comment = True
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth = max(depth - 1, 0)
+    return _cut(start, end, cuts)
+
+
+def _fenced_blocks(text: str) -> list[tuple[int, int, str]]:
+    """Partition into ``prose`` / ``fence`` / ``code`` blocks by markdown fences (no fences: one code block)."""
+    fences = list(_FENCE.finditer(text))
+    if not fences:
+        return [(0, len(text), "code")]
+    blocks, pos, inside = [], 0, False
+    for m in fences:
+        if m.start() > pos:
+            blocks.append((pos, m.start(), "code" if inside else "prose"))
+        blocks.append((m.start(), m.end(), "fence"))
+        pos, inside = m.end(), not inside
+    if pos < len(text):
+        blocks.append((pos, len(text), "code" if inside else "prose"))
+    return blocks
+
+
+def _math_segments(text: str) -> list[_Seg]:
+    segs = []
+    for a, b in _sentence_spans(text, 0, len(text)):
+        segs.append(_Seg(a, b, "equation" if "=" in text[a:b] else "step"))
+    return segs
+
+
+def _code_segments(text: str) -> list[_Seg]:
+    segs = []
+    for a, b, block in _fenced_blocks(text):
+        if block == "code":
+            segs.extend(_Seg(s, e, "statement") for s, e in _statement_spans(text, a, b))
+        elif block == "prose":
+            segs.extend(_Seg(s, e, "sentence") for s, e in _sentence_spans(text, a, b))
+        else:
+            segs.append(_Seg(a, b, "fence"))
+    return segs
+
+
+def _instruction_segments(text: str) -> list[_Seg]:
+    segs = []
+    for a, b in _line_spans(text, 0, len(text)):
+        if _LIST_ITEM.match(text, a, b):
+            segs.append(_Seg(a, b, "list_item"))
+        else:
+            segs.extend(_Seg(s, e, "sentence") for s, e in _cut(a, b, _sentence_cuts(text, a, b)))
+    return segs
+
+
+def _boxed_tags(text: str) -> list[tuple[int, int, int, int]]:
+    tags, at = [], text.find("\\boxed{")
+    while at >= 0:
+        depth, i = 0, at + len("\\boxed")
+        while i < len(text):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+            if depth == 0:
+                break
+        tags.append((at, i, at + len("\\boxed{"), i - 1 if depth == 0 else i))
+        at = text.find("\\boxed{", i)
+    return tags
+
+
+def _answer_tags(text: str) -> list[tuple[int, int, int, int]]:
+    """Final-answer tags ``(start, end, payload_start, payload_end)`` in the text."""
+    tags = [(m.start(), m.end(), m.start(1), m.end(1)) for m in _FINAL_HASH.finditer(text)]
+    tags += [(m.start(), m.end(), m.start(1), m.end(1)) for m in _ANSWER_LINE.finditer(text)]
+    return tags + _boxed_tags(text)
+
+
+def _absorb(segs: list[_Seg], start: int, end: int, mandatory: bool, key: tuple[int, int] | None) -> list[_Seg]:
+    """Merge every segment overlapping the tagged region ``[start, end)`` into one protected segment."""
+    hit = [i for i, s in enumerate(segs) if s.start < end and start < s.end]
+    if not hit:
+        return segs
+    group = segs[hit[0] : hit[-1] + 1]
+    is_answer = mandatory or any(s.mandatory for s in group)
+    merged = _Seg(group[0].start, group[-1].end, "answer" if is_answer else "equation", is_answer, True)
+    merged.keys = [k for s in group for k in s.keys] + ([key] if key else [])
+    return segs[: hit[0]] + [merged] + segs[hit[-1] + 1 :]
+
+
+def _segments(text: str, domain: str | None) -> list[_Seg]:
+    name = (domain or "").strip().lower()
+    if name == "math":
+        segs = _math_segments(text)
+        for m in _DISPLAY_MATH.finditer(text):
+            segs = _absorb(segs, m.start(), m.end(), False, None)
+        for start, end, key_start, key_end in sorted(_answer_tags(text)):
+            key = (key_start, key_end) if key_end > key_start else None
+            segs = _absorb(segs, start, end, True, key)
+        return segs
+    if name == "code":
+        return _code_segments(text)
+    if name == "instruction":
+        return _instruction_segments(text)
+    return [_Seg(a, b, "sentence") for a, b in _sentence_spans(text, 0, len(text))]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Token-level units
+
+
+def _owners(segs: list[_Seg], spans: np.ndarray, nonws: np.ndarray) -> np.ndarray:
+    """(r,) segment index per token, placed by its first non-whitespace character; monotone.
+
+    Unaligned tokens join the segment of the token before them (leading ones the first aligned token's).
+    """
+    n, r = nonws.shape[0], spans.shape[0]
+    aligned = ~((spans[:, 0] == -1) & (spans[:, 1] == -1))  # (r,)
+    owner = np.full(r, -1, dtype=np.int64)
+    if n and aligned.any():
+        nonws_at = np.append(np.flatnonzero(nonws), n)  # non-whitespace character positions + sentinel
+        start, end = spans[aligned, 0], spans[aligned, 1]
+        first = nonws_at[np.searchsorted(nonws_at, start)]  # first non-whitespace character >= start
+        anchor = np.where(first < end, first, start)  # whitespace-only tokens sit at their start
+        owner[aligned] = np.searchsorted([g.start for g in segs], anchor, side="right") - 1
+    owner = np.maximum.accumulate(owner)
+    lead = owner < 0
+    owner[lead] = owner[~lead][0] if (~lead).any() else 0
+    return owner
+
+
+@dataclass
+class _Draft:
+    start: int
+    end: int
+    kind: str
+    mandatory: bool
+    protected: bool
+    key: set[int]
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def _drafts(segs: list[_Seg], owner: np.ndarray, spans: np.ndarray) -> list[_Draft]:
+    """One draft unit per run of tokens owned by the same segment; answer-payload tokens marked as keys."""
+    r = owner.shape[0]
+    cuts = (np.flatnonzero(np.diff(owner)) + 1).tolist()
+    drafts = []
+    for a, b in zip([0] + cuts, cuts + [r]):
+        seg = segs[int(owner[a])]
+        key: set[int] = set()
+        for lo, hi in seg.keys:
+            hit = (spans[a:b, 0] < hi) & (spans[a:b, 1] > lo) & (spans[a:b, 0] >= 0)
+            key.update((np.flatnonzero(hit) + a).tolist())
+        drafts.append(_Draft(a, b, seg.kind, seg.mandatory, seg.protected, key))
+    return drafts
+
+
+def _merge_target(drafts: list[_Draft], i: int) -> int:
+    neighbours = [j for j in (i - 1, i + 1) if 0 <= j < len(drafts)]
+    return min(neighbours, key=lambda j: (drafts[j].mandatory, drafts[j].size, j))
+
+
+def _merge_short(drafts: list[_Draft], min_tokens: int) -> list[_Draft]:
+    """Merge non-protected units shorter than ``min_tokens`` into a neighbour, left to right, until none remain."""
+    while len(drafts) > 1:
+        short = next((i for i, d in enumerate(drafts) if d.size < min_tokens and not d.protected), None)
+        if short is None:
+            break
+        j = _merge_target(drafts, short)
+        host, guest = drafts[j], drafts[short]
+        host.start, host.end = min(host.start, guest.start), max(host.end, guest.end)
+        host.key |= guest.key
+        del drafts[short]
+    return drafts
+
+
+def _split_long(drafts: list[_Draft], max_tokens: int) -> list[_Draft]:
+    """Cut non-protected units longer than ``max_tokens`` into near-equal contiguous chunks."""
+    out = []
+    for d in drafts:
+        if d.protected or d.size <= max_tokens:
+            out.append(d)
+            continue
+        pieces = math.ceil(d.size / max_tokens)
+        base, extra = divmod(d.size, pieces)
+        start = d.start
+        for p in range(pieces):
+            end = start + base + (1 if p < extra else 0)
+            out.append(_Draft(start, end, d.kind, False, False, {k for k in d.key if start <= k < end}))
+            start = end
+    return out
+
+
+def structural_units(
+    response: str,
+    domain: str | None,
+    offsets: Sequence[tuple[int, int]],
+    *,
+    max_unit_tokens: int = MAX_UNIT_TOKENS,
+    min_unit_tokens: int = MIN_UNIT_TOKENS,
+) -> list[Unit]:
+    """Task-specific structural units over the eligible response positions (paper App. G.1, D.2, D.3).
+
+    Args:
+        response: The response text.
+        domain: ``math``, ``code`` or ``instruction``; anything else (or None) cuts sentences.
+        offsets: (r,) ``(start, end)`` character spans of the eligible response tokens (EOS excluded);
+            ``(-1, -1)`` for template/special tokens.  Must pass :func:`verify_alignment`.
+        max_unit_tokens: Non-protected units longer than this are split (paper: 96).
+        min_unit_tokens: Non-protected units shorter than this merge into a neighbour (paper: 4).
+
+    Returns:
+        Units partitioning ``[0, r)`` in order (empty when ``r == 0``).  See the module docstring for the rules.
+
+    Raises:
+        ValueError: The offsets do not align with the text (use :func:`project_response` to fall back), or the
+            limits are not positive.
+    """
+    if min_unit_tokens < 1 or max_unit_tokens < 1:
+        raise ValueError(f"unit limits must be >= 1; got min={min_unit_tokens}, max={max_unit_tokens}")
+    units, check = aligned_units(response, domain, offsets, max_unit_tokens=max_unit_tokens,
+                                 min_unit_tokens=min_unit_tokens)
+    if units is None:
+        raise ValueError(f"offsets do not align with the response ({check.reason}); "
+                         "call project_response to fall back to the token mask")
+    return units
+
+
+def aligned_units(
+    response: str,
+    domain: str | None,
+    offsets: Sequence[tuple[int, int]],
+    *,
+    max_unit_tokens: int = MAX_UNIT_TOKENS,
+    min_unit_tokens: int = MIN_UNIT_TOKENS,
+) -> tuple[list[Unit] | None, AlignmentCheck]:
+    """:func:`verify_alignment`, then :func:`structural_units` when it passes, sharing the character scan.
+
+    Args:
+        response: The response text.
+        domain: See :func:`structural_units`.
+        offsets: See :func:`structural_units`.
+        max_unit_tokens: See :func:`structural_units` (not range-checked here).
+        min_unit_tokens: See :func:`structural_units` (not range-checked here).
+
+    Returns:
+        ``(units, check)``; ``units`` is None when ``check.ok`` is False (the reason says why).
+    """
+    spans = _span_array(offsets)
+    nonws, alnum = _char_classes(response)
+    check = _alignment(response, spans, nonws)
+    if not check.ok:
+        return None, check
+    return _build_units(response, domain, spans, nonws, alnum, max_unit_tokens, min_unit_tokens), check
+
+
+def _build_units(
+    response: str, domain: str | None, spans: np.ndarray, nonws: np.ndarray, alnum: np.ndarray,
+    max_unit_tokens: int, min_unit_tokens: int,
+) -> list[Unit]:
+    """:func:`structural_units` on verified offsets (``spans`` (r, 2), character classes (n,))."""
+    if spans.shape[0] == 0:
+        return []
+    segs = _segments(response, domain) or [_Seg(0, len(response), "sentence")]
+    drafts = _drafts(segs, _owners(segs, spans, nonws), spans)
+    drafts = _split_long(_merge_short(drafts, min_unit_tokens), max_unit_tokens)
+    alnum_before = np.concatenate([[0], np.cumsum(alnum)])  # (n+1,)
+    aligned = spans[:, 0] >= 0
+    safe = np.where(aligned[:, None], spans, 0)
+    has_alnum = alnum_before[safe[:, 1]] > alnum_before[safe[:, 0]]  # (r,) the token has a letter or digit
+    content = np.flatnonzero(aligned & has_alnum)  # core candidates, ascending
+    bounds = np.searchsorted(content, [d.start for d in drafts] + [drafts[-1].end]).tolist()
+    content_list = content.tolist()
+    return [
+        Unit(
+            token_start=d.start,
+            token_end=d.end,
+            kind=d.kind,
+            mandatory=d.mandatory,
+            priority=PRIORITY.get(d.kind, 1),
+            core=tuple(content_list[bounds[i] : bounds[i + 1]]),
+            key=tuple(sorted(d.key)),
+        )
+        for i, d in enumerate(drafts)
+    ]
