@@ -19,6 +19,8 @@ FORBIDDEN = {
     "pipelines": {"ray", "raycurate.cli"},
     "report": {"ray", "raycurate.stages", "raycurate.pipelines", "raycurate.cli"},
 }
+# Single modules outside the layer folders, checked as the layer they sit at.
+MODULE_LAYERS = {"api.py": "pipelines"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -44,6 +46,10 @@ def test_layers_import_downward_only():
             for name in imported_modules(path):
                 if violates(name, forbidden):
                     problems.append(f"{path.relative_to(PACKAGE.parent)} imports {name}")
+    for module, layer in MODULE_LAYERS.items():
+        for name in imported_modules(PACKAGE / module):
+            if violates(name, FORBIDDEN[layer]):
+                problems.append(f"raycurate/{module} imports {name}")
     assert not problems, "layering violations:\n" + "\n".join(problems)
 
 
@@ -62,4 +68,15 @@ def test_algorithm_modules_import_no_ray_at_runtime():
 def test_import_raycurate_is_cheap():
     code = "import sys, raycurate; heavy = {'torch', 'ray', 'transformers', 'deepspeed'} & set(sys.modules); " \
            "assert not heavy, heavy"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+
+
+def test_python_api_is_lazy_and_cheap():
+    """``raycurate.ingest`` & co. import raycurate/api.py on first use, and that import pulls in no heavy module."""
+    code = ("import sys, raycurate\n"
+            "assert 'raycurate.api' not in sys.modules\n"
+            "assert callable(raycurate.bridge_select) and 'raycurate.api' in sys.modules\n"
+            "assert {'ingest', 'train', 'evaluate'} <= set(dir(raycurate))\n"
+            "heavy = {'torch', 'ray', 'transformers', 'deepspeed'} & set(sys.modules)\n"
+            "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
