@@ -405,7 +405,7 @@ def bridge_select(data: Any, *, model: str | None = None, rho_p: float | None = 
 
     Returns:
         :class:`Result` of stage ``bridge_select`` (output ``selection``): one row per ``selection``-split row,
-        its token columns (as :func:`ingest`) plus ``sel_prompt_keep`` (list<int8>, length T, 1 on kept prompt
+        its token columns (as :func:`ingest`) plus ``sel_prompt_keep`` (list<int8>, length prompt_len, 1 on kept prompt
         tokens), ``sel_loss_mask`` (list<int8>, length T, 1 on supervised response tokens), ``sel_response_scores``
         (list<float32>), budgets ``sel_b_p`` / ``sel_b_r`` and realised ``sel_kept_prompt`` /
         ``sel_supervised_response`` (int32), ``sel_utility_retained`` (float64) and the closure columns.
