@@ -144,3 +144,19 @@ def test_readme_example_runs(ray_local, tmp_path, monkeypatch):
     assert 0 < selected.metrics["response_budget_ratio"] <= 0.55
     manifest = json.loads((Path(scores.workdir) / "manifest.json").read_text())
     assert {"tokenize", "bridge_select", "bridge_compact", "train_bridge", "eval_bridge"} <= set(manifest["stages"])
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_identify_heads_then_p2d_select_reuse_the_workspace(ray_local, tmp_path):
+    train_cfg = {"engine": "ddp", "num_workers": 1, "micro_batch_size": 8, "effective_batch_size": 8, "lr": 2e-3}
+    p2d = {"proxy_examples": 16, "proxy_steps": 2, "rounds": 1}
+    data = raycurate.ingest(rows(120, seed=1), max_length=384, workdir=tmp_path / "ws", tokenize={"num_actors": 1})
+    heads = raycurate.identify_heads(data, head_ratio=0.25, train=train_cfg, p2d=p2d)
+    assert len(heads.heads) == 2 and heads.table.num_rows == 8  # 2 layers x 4 query heads
+    selected = raycurate.p2d_select(data, head_ratio=0.25, data_ratio=0.2, train=train_cfg, p2d=p2d,
+                                    p2d_pool={"num_actors": 1})
+    assert selected.metrics["pool"] == 120 and selected.tokens.num_rows == selected.metrics["selected"] == 24
+    assert selected.adapter == {"kind": "head_delta", "heads": heads.heads, "train_o": False}
+    manifest = json.loads((tmp_path / "ws" / "manifest.json").read_text())
+    assert manifest["stages"]["p2d_proxy"]["executions"] == 1  # the heads were not recomputed
