@@ -110,6 +110,16 @@ def acquire_lock(root: Path) -> None:
     _HELD[root] = fh
 
 
+def release_lock(root: str | Path) -> None:
+    """Release this process's writer lock of one run directory (a no-op when it holds none); the Python API
+    calls it when a call ends, so a notebook does not keep its workspaces locked."""
+    fh = _HELD.pop(Path(root).resolve(), None)
+    if fh is not None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        fh.close()
+
+
 def release_locks() -> None:
     """Release every run-directory lock this process holds (the CLI calls it when a command ends)."""
     for root, fh in list(_HELD.items()):

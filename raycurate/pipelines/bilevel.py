@@ -157,6 +157,11 @@ def check_methods(methods: list[str]) -> None:
                          "mix_<rho> with 0 < rho <= 1 (e.g. mix_0.5)")
 
 
+def bilevel_train_config(cfg: Any) -> Any:
+    """``train`` with the bilevel learning rate and epochs (every bilevel method trains with it)."""
+    return dataclasses.replace(cfg.train, lr=cfg.bilevel.lr, epochs=cfg.bilevel.epochs)
+
+
 def run_bilevel_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
     """The bilevel stages on top of ``prepare_data``'s outputs; returns ``{method: heldout metrics}``."""
     from raycurate.stages.base import output_path
@@ -166,7 +171,7 @@ def run_bilevel_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
     bilevel = cfg.bilevel
     check_methods(bilevel.methods)
     labelled = split_rows(run, cfg)
-    train_cfg = dataclasses.replace(cfg.train, lr=bilevel.lr, epochs=bilevel.epochs)
+    train_cfg = bilevel_train_config(cfg)
     results: dict[str, dict] = {}
     summary: dict[str, Any] = {"methods": {}, "losses": {}}
     for method in bilevel.methods:

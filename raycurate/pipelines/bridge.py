@@ -29,12 +29,19 @@ def split_equals(name: str):
     return keep
 
 
-def run_bridge_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
-    """The BRIDGE stages on top of ``prepare_data``'s outputs; returns ``{method: heldout metrics}``."""
+def run_bridge_selection(run: Any, cfg: Any) -> dict[str, str]:
+    """The BRIDGE selection on top of ``prepare_data``'s outputs: split subsets, warmup SFT, scoring direction,
+    score + select, compaction, the configured baselines' masks and the fidelity diagnostics.
+
+    The one sequence both :func:`run_bridge_stages` and :func:`raycurate.api.bridge_select` run.
+
+    Returns:
+        ``{method: compacted token stage}``: ``bridge`` -> ``bridge_compact`` and one entry per baseline.
+    """
     from raycurate.stages.bridge import direction_stage, score_select_stage
     from raycurate.stages.bridge_compact import baseline_masks_stage, compact_stage
     from raycurate.stages.data_stages import filter_tokens_stage
-    from raycurate.stages.model_stages import evaluate_stage, train_stage
+    from raycurate.stages.model_stages import train_stage
 
     bridge = cfg.bridge
     for split in ("warmup", "validation", "selection"):
@@ -66,6 +73,14 @@ def run_bridge_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
         diagnostics_stage(run, selection_stage="bridge_select", warmup_stage="bridge_warmup",
                           direction_stage_name="bridge_direction", bridge_cfg=bridge,
                           force=forced(cfg, "bridge_diagnostics"))
+    return methods
+
+
+def run_bridge_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
+    """The BRIDGE stages on top of ``prepare_data``'s outputs; returns ``{method: heldout metrics}``."""
+    from raycurate.stages.model_stages import evaluate_stage, train_stage
+
+    methods = run_bridge_selection(run, cfg)
     results: dict[str, dict] = {}
     for name, tokens_stage in methods.items():
         train_stage(run, f"train_{name}", tokens_stage=tokens_stage, init_stage="base_model", train_cfg=cfg.train,

@@ -57,26 +57,19 @@ def pool_stage(run: Any, cfg: Any) -> str:
     return "p2d_pool_rows"
 
 
-def run_p2d_selection(run: Any, cfg: Any) -> None:
-    """Proxy, head scoring, ICL probing and example selection, plus the data subsets the variants train on."""
+def run_p2d_heads(run: Any, cfg: Any) -> str:
+    """Proxy fine-tune (unless ``p2d.task_model``) and W1 head scoring (``p2d_heads``); returns the pool stage.
+
+    Shared by :func:`run_p2d_selection` and :func:`raycurate.api.identify_heads`.
+    """
     from raycurate.stages.model_stages import train_stage
-    from raycurate.stages.p2d import (
-        full_batch_train_config,
-        heads_stage,
-        ids_subset_stage,
-        ifd_select_stage,
-        probe_stage,
-        seeded_sample,
-        select_stage,
-        selected_ids,
-        token_ids,
-    )
+    from raycurate.stages.p2d import full_batch_train_config, heads_stage, ids_subset_stage, seeded_sample, token_ids
 
     p2d = cfg.p2d
     pool = pool_stage(run, cfg)
-    pool_ids = token_ids(run, pool)
     proxy_stage = None
     if not p2d.task_model:
+        pool_ids = token_ids(run, pool)
         proxy_ids = seeded_sample(pool_ids, min(p2d.proxy_examples, len(pool_ids)), p2d.seed)
         ids_subset_stage(run, "p2d_proxy_rows", tokens_stage=pool, ids=proxy_ids,
                          description=f"{len(proxy_ids)} seeded proxy examples", force=forced(cfg, "p2d_proxy_rows"))
@@ -87,6 +80,24 @@ def run_p2d_selection(run: Any, cfg: Any) -> None:
     heads = heads_stage(run, "p2d_heads", base_stage="base_model", proxy_stage=proxy_stage,
                         task_model=p2d.task_model, p2d_cfg=p2d, force=forced(cfg, "p2d_heads"))
     log.info("p2d heads: %s", heads["metrics"].get("selected_heads"))
+    return pool
+
+
+def run_p2d_selection(run: Any, cfg: Any) -> None:
+    """Proxy, head scoring, ICL probing and example selection, plus the data subsets the variants train on."""
+    from raycurate.stages.p2d import (
+        ids_subset_stage,
+        ifd_select_stage,
+        probe_stage,
+        seeded_sample,
+        select_stage,
+        selected_ids,
+        token_ids,
+    )
+
+    p2d = cfg.p2d
+    pool = run_p2d_heads(run, cfg)
+    pool_ids = token_ids(run, pool)
     probe_stage(run, "p2d_probe", pool_stage=pool, base_stage="base_model", heads_stage_name="p2d_heads",
                 p2d_cfg=p2d, pool_cfg=cfg.p2d_pool, max_new_tokens=cfg.eval.max_new_tokens,
                 force=forced(cfg, "p2d_probe"))

@@ -35,22 +35,19 @@ Decisions:
   workers, so the engines' micro-batch and accumulation arithmetic stays that of SFT.
 * Checkpoints hold the engine state, ``trainer_state.json`` and, written by rank 0, ``omega_state.npz`` (omega, its
   Adam moments and per-row step counts, the per-epoch omega history, each row's first-sample step and latest
-  omega loss, and a digest of the candidate ids) plus ``bds_state.json`` (per-step
-  curves); a resumed run restores omega bit for bit and continues with the same rows.
+  omega loss, a digest of the candidate ids) and ``bds_state.json`` (per-step curves); resume is bit for bit.
 * Outputs in ``output_dir``: the HF model (merged, plus ``adapter/``, when an adapter was trained), tokenizer files,
   ``train_metrics.json`` and ``weights.parquet`` with one row per (candidate, snapshot): ``id``, ``omega``,
   ``sigma``, ``rank`` (1 = largest weight; ties by id order), ``epoch`` and ``step`` of the snapshot,
   ``first_step`` (the 0-based step at which the row was first sampled, -1 if not yet) and ``loss`` (the row's
-  latest omega loss as of the snapshot, NaN if not yet sampled), the diagnostics of the sampling-order artefact.
-  Snapshots are taken at the end of every epoch and after the last step.
+  latest omega loss, NaN if not yet sampled; the sampling-order diagnostics), at every epoch end and the last step.
 * Online BMO (Algorithm 1): a :class:`GenerationHook` returns G responses (with generation-time log-probs) for
   the masked questions every ``generation_every`` steps; from then on a sampled masked question trains on them as
   one slot -- loss ``1/G sum_g r_g l_g`` with importance weights ``r`` (``importance``: per-token clipped ratio or
   per-question self-normalised, :func:`~raycurate.algorithms.bmo.grouped_response_losses`), slot weight
   ``gamma_k sigma_i B / cand_batch`` (eq. 9, 10a) -- and the omega step uses the unweighted mean of its
   responses' losses (eq. 10c).  The masked set is the set of questions of the latest generation round (fixed or
-  dynamic is the hook's choice); the responses are checkpointed (``online_responses.parquet``).  Labels are
-  shifted once (``token_losses``) and the response mask starts after the candidate's own prompt tokens.
+  dynamic is the hook's choice); the responses are checkpointed (``online_responses.parquet``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,631 @@
+"""The Python API: a few calls for notebooks and Ray jobs, on top of the same stages the pipelines run.
+
+::
+
+    import raycurate
+
+    data = raycurate.ingest(rows)                           # validate + tokenize
+    masks = raycurate.bridge_select(data, rho_p=0.75, rho_r=0.5)  # BRIDGE token masks at one budget
+    model = raycurate.train(masks)                          # compact SFT on Ray Train
+    scores = raycurate.evaluate(model, heldout)             # held-out exact match, gold loss
+
+Every call works in a *workspace*: a run directory (``workdir=``; by default the workspace of the result it is
+given, else a fresh temporary folder).  In it the call runs the existing stages exactly as the pipelines do, so a
+stage whose config hash is unchanged and whose outputs exist is skipped on a re-run (``run={"force": [...]}``
+re-runs one), and ``raycurate inspect`` / ``raycurate report`` work on it.  Each call returns a :class:`Result`
+naming the stage output it produced; ``.table`` (pyarrow) and ``.dataset`` (``ray.data.Dataset``) read it, and a
+result is the ``data`` argument of the next call (no re-ingest: it continues in the same workspace).
+
+Configuration: the keyword arguments of a call are the common keys; ``config={"train.lr": 1e-4}`` (dotted keys,
+or nested section mappings) and section keywords such as ``train={"lr": 1e-4}`` or ``bridge={"last_layers": 2}``
+reach every key of :class:`raycurate.config.schema.JobConfig` (``raycurate run --help-config`` lists them; the
+``data`` section goes through ``config=`` or :func:`ingest`'s keywords, since ``data`` is the input).  They are
+validated like a job file: a bad key or value raises :class:`raycurate.config.loader.ConfigError` (a
+:class:`raycurate.errors.UserError`) naming it, before anything runs.
+
+This module sits at the pipelines level of the layering (it calls :mod:`raycurate.pipelines` and
+:mod:`raycurate.stages`, never ``ray`` directly); ``import raycurate`` imports it on first attribute use only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from raycurate.errors import UserError
+
+log = logging.getLogger("raycurate")
+
+__all__ = ["Result", "ingest", "bridge_select", "identify_heads", "p2d_select", "bds_weights", "train", "evaluate"]
+
+# Sections that describe how the rows were prepared; a result carries them to the calls it feeds.
+PREPARATION_SECTIONS = ("data", "model", "tokenize", "ray")
+
+
+@dataclasses.dataclass
+class Result:
+    """One call's output: a stage of a workspace, its metrics and the config it ran with.
+
+    Attributes:
+        workdir: The workspace (run directory) the call worked in; pass it as ``workdir=`` to later calls, open
+            it with ``raycurate inspect`` / ``raycurate report``.
+        stage: The stage whose output this result reads (``tokenize``, ``bridge_select``, ``train_bridge``, ...).
+        output: That stage's output name (``tokens``, ``selection``, ``heads``, ``weights``, ``model``,
+            ``predictions``).
+        metrics: The stage's metrics (row accounting, budgets, losses, held-out scores, ...).
+        config: The resolved :class:`raycurate.config.schema.JobConfig` of the call.
+        tokens_stage: The token table :func:`train` fits on when this result is its ``data`` (None: not a
+            training set, e.g. a trained model).
+        method: Names the training stage :func:`train` writes (``train`` for ``all``, else ``train_<method>``).
+        adapter: The adapter :func:`train` uses by default (P2D: a head-delta adapter on the selected heads).
+        config_hash: The stage's config hash when the result was made; reading a result whose stage was since
+            re-run with another config is an error rather than silently other data.
+        root: The workspace's local folder (differs from ``workdir`` for a storage URI).
+    """
+
+    workdir: str
+    stage: str
+    output: str
+    metrics: dict
+    config: Any
+    tokens_stage: str | None = None
+    method: str = "all"
+    adapter: dict | None = None
+    config_hash: str = ""
+    root: str = ""
+
+    def _record(self, stage: str) -> dict:
+        manifest = json.loads((Path(self.root) / "manifest.json").read_text())
+        record = manifest.get("stages", {}).get(stage) or {}
+        if record.get("status") != "done":
+            raise UserError(f"stage {stage!r} of workspace {self.workdir} has not finished; re-run the call")
+        if stage == self.stage and self.config_hash and record.get("config_hash") != self.config_hash:
+            raise UserError(f"stage {stage!r} of workspace {self.workdir} was re-run with another config since this "
+                            "result was made (e.g. another budget); re-run the call, or use one workdir per setting")
+        return record
+
+    def _output(self, stage: str, name: str) -> Path:
+        from raycurate.rundir import inside
+
+        return inside(Path(self.root), self._record(stage)["outputs"][name])
+
+    @property
+    def path(self) -> Path:
+        """Local path of the output (a parquet folder or file, ``heads.json``, or a checkpoint folder)."""
+        return self._output(self.stage, self.output)
+
+    @property
+    def table(self) -> Any:
+        """The output as a ``pyarrow.Table`` (see each call's Returns for its columns)."""
+        import pyarrow as pa
+
+        path = self.path
+        if self.output == "model":
+            raise UserError(f"{self.stage} produced a model, not a table; use .model_dir")
+        if path.suffix == ".json":
+            return pa.Table.from_pylist(json.loads(path.read_text())["heads"])
+        return _read_parquet(path)
+
+    @property
+    def dataset(self) -> Any:
+        """The output as a ``ray.data.Dataset`` (same columns as :attr:`table`; parquet outputs are read lazily)."""
+        from raycurate.stages.tables import read_dataset
+
+        return read_dataset(self.table if self.path.suffix == ".json" else self.path)
+
+    @property
+    def tokens(self) -> Any:
+        """The token table :func:`train` fits on, as a ``pyarrow.Table`` (for BRIDGE: the compacted rows)."""
+        if self.tokens_stage is None:
+            raise UserError(f"{self.stage} has no token table to train on")
+        return _read_parquet(self._output(self.tokens_stage, "tokens"))
+
+    @property
+    def model_dir(self) -> Path | None:
+        """The checkpoint folder this result holds (train, bds_weights), else None."""
+        record = self._record(self.stage)
+        return self._output(self.stage, "model") if "model" in record.get("outputs", {}) else None
+
+    @property
+    def heads(self) -> list[list[int]]:
+        """``[[layer, head], ...]`` selected by P2D head scoring (identify_heads, p2d_select)."""
+        if self.adapter is None or "heads" not in self.adapter:
+            raise UserError(f"{self.stage} selected no attention heads")
+        return [list(h) for h in self.adapter["heads"]]
+
+    def __repr__(self) -> str:
+        numbers = {k: v for k, v in self.metrics.items()
+                   if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(numbers.items())[:6])
+        return f"Result(stage={self.stage!r}, output={self.output!r}, workdir={self.workdir!r}, {shown})"
+
+
+def _read_parquet(path: Path) -> Any:
+    """A parquet file, or a folder of parquet parts in name order, as one ``pyarrow.Table``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not path.is_dir():
+        return pq.read_table(path)
+    parts = [pq.read_table(p) for p in sorted(path.glob("*.parquet"))]
+    return pa.concat_tables(parts, promote_options="default") if parts else pa.table({})
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def _plain(value: Any) -> Any:
+    from raycurate.config.loader import to_dict
+
+    return to_dict(value) if dataclasses.is_dataclass(value) else value
+
+
+def _merge(target: dict, key: str, value: Any) -> None:
+    """Set a dotted ``key`` (``train.lr``) or merge a section mapping into ``target``."""
+    *parents, leaf = key.split(".")
+    node = target
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"{key}: '{part}' is not a config section")
+    value = _plain(value)
+    if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+        for sub_key, sub_value in value.items():
+            _merge(node[leaf], str(sub_key), sub_value)
+    else:
+        node[leaf] = value
+
+
+def job_config(call: str, pipeline: str, *, base: Any = None, defaults: dict | None = None,
+               config: dict | None = None, sections: dict | None = None, keys: dict | None = None) -> Any:
+    """The validated :class:`~raycurate.config.schema.JobConfig` of one API call.
+
+    Layers, later ones win: ``base``'s preparation sections (the config of the result the call continues),
+    the call's ``defaults``, ``config`` (dotted keys or section mappings), section keywords, then the call's
+    explicit keywords (``keys``, dotted; None values are left out).
+
+    Raises:
+        ConfigError: Every unknown key, wrong type, out-of-range value and failed cross-field check, in one
+            message naming the call (``raycurate.bridge_select() has 1 problem: bridge.rho_p: 1.5 must be <= 1``).
+    """
+    from raycurate.config.loader import from_dict, to_dict
+    from raycurate.config.schema import JobConfig
+
+    data: dict = {}
+    if base is not None:
+        plain = to_dict(base)
+        data = {k: plain[k] for k in PREPARATION_SECTIONS if k in plain}
+    for layer in (defaults or {}, config or {}, sections or {}):
+        for key, value in layer.items():
+            _merge(data, str(key), value)
+    for key, value in (keys or {}).items():
+        if value is not None:
+            _merge(data, key, value)
+    data["pipeline"] = pipeline
+    return from_dict(JobConfig, data, source=f"raycurate.{call}()")
+
+
+# --------------------------------------------------------------------------------------------- workspaces
+
+
+def _new_workdir() -> str:
+    path = tempfile.mkdtemp(prefix="raycurate-")
+    log.info("workspace: %s", path)
+    return path
+
+
+def _with_workdir(cfg: Any, workdir: str) -> Any:
+    from raycurate.storage import split_name
+
+    runs_dir, name = split_name(str(workdir))
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, runs_dir=runs_dir or ".", name=name))
+
+
+@contextlib.contextmanager
+def _opened(cfg: Any) -> Iterator[Any]:
+    """``open_run(cfg)`` (inputs checked, config saved, Ray started), its writer lock released at the end."""
+    from raycurate.pipelines.common import open_run
+    from raycurate.rundir import release_lock
+
+    run = open_run(cfg)
+    try:
+        yield run
+    finally:
+        release_lock(run.root)
+
+
+def _is_paths(source: Any) -> bool:
+    if isinstance(source, (str, os.PathLike)):
+        return True
+    return isinstance(source, (list, tuple)) and bool(source) and all(isinstance(s, (str, os.PathLike))
+                                                                       for s in source)
+
+
+def _source_inputs(source: Any, cfg: Any) -> list[str]:
+    """Input paths for ``source``: paths as given, in-memory rows written into the workspace's ``inputs/``."""
+    if _is_paths(source):
+        return [str(source)] if isinstance(source, (str, os.PathLike)) else [str(s) for s in source]
+    from raycurate.rundir import open_run_dir, release_lock
+    from raycurate.stages.tables import write_source
+
+    run = open_run_dir(cfg.run.runs_dir, cfg.run.name, cfg.run.local_dir)
+    try:
+        return [write_source(source, run.root / "inputs")]
+    finally:
+        release_lock(run.root)
+
+
+@dataclasses.dataclass
+class _Prepared:
+    run: Any
+    cfg: Any
+    tokens_stage: str
+
+
+def _check_chained(call: str, data: Result, model: str | None, config: dict | None, sections: dict) -> None:
+    given = set(sections) | {str(k).split(".", 1)[0] for k in (config or {})}
+    clash = sorted(given & set(PREPARATION_SECTIONS) - {"ray"})
+    if clash:
+        raise UserError(f"raycurate.{call}(): {', '.join(clash)} keys describe how rows are prepared; they apply when "
+                        f"data is raw rows, not a result (its rows were prepared in {data.workdir}); pass them to "
+                        "raycurate.ingest() or give the raw rows")
+    if model is not None and model != data.config.model.name_or_path:
+        raise UserError(f"raycurate.{call}(): data was tokenized for model {data.config.model.name_or_path!r}, not "
+                        f"{model!r}; pass the raw rows to use another model")
+
+
+@contextlib.contextmanager
+def _prepared(call: str, pipeline: str, data: Any, *, model: str | None, workdir: str | os.PathLike | None,
+              config: dict | None, sections: dict, defaults: dict | None = None, keys: dict | None = None,
+              ) -> Iterator[_Prepared]:
+    """Validate the call's config, open its workspace and have the token table ready.
+
+    ``data`` as a :class:`Result` continues in its workspace (nothing re-runs); raw rows (paths, a list of
+    dicts, a pyarrow Table, a Ray Dataset, ...) go through :func:`raycurate.pipelines.common.prepare_data` -- the
+    same ingest -> base_model -> tokenize sequence every pipeline starts with, skipped where current.
+    """
+    from raycurate.pipelines.common import prepare_data
+
+    keys = {"model.name_or_path": model, **(keys or {})}
+    if isinstance(data, Result):
+        _check_chained(call, data, model, config, sections)
+        cfg = job_config(call, pipeline, base=data.config, defaults=defaults, config=config, sections=sections,
+                         keys=keys)
+        same = workdir is None or os.path.abspath(str(workdir)) in (os.path.abspath(data.workdir), data.root)
+        if same:
+            data._record(data.stage)  # still current: raises when re-run with another config since
+            if data.tokens_stage is None:
+                raise UserError(f"raycurate.{call}(): {data.stage} holds no token table; pass rows or a result of "
+                                "ingest / bridge_select / p2d_select")
+            cfg = _with_workdir(cfg, data.workdir)
+            with _opened(cfg) as run:
+                yield _Prepared(run, cfg, data.tokens_stage)
+            return
+        if data.tokens_stage != "tokenize":
+            raise UserError(f"raycurate.{call}(): a {data.stage} result continues in its own workspace "
+                            f"({data.workdir}); leave workdir unset, or pass the rows")
+        cfg = _with_workdir(cfg, str(workdir))  # same preparation config and inputs, in another workspace
+    else:
+        cfg = job_config(call, pipeline, defaults=defaults, config=config, sections=sections, keys=keys)
+        cfg = _with_workdir(cfg, str(workdir) if workdir is not None else _new_workdir())
+        inputs = _source_inputs(data, cfg)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, input=inputs))
+    with _opened(cfg) as run:
+        prepare_data(run, cfg)
+        yield _Prepared(run, cfg, "tokenize")
+
+
+def _result(prep: _Prepared, stage: str, output: str, **fields: Any) -> Result:
+    record = prep.run.stage_record(stage) or {}
+    metrics = fields.pop("metrics", None)
+    location = prep.cfg.run.runs_dir.rstrip("/") + "/" + prep.cfg.run.name
+    return Result(workdir=location if "://" in location else str(prep.run.root), stage=stage, output=output,
+                  metrics=dict(record.get("metrics") or {}) if metrics is None else metrics, config=prep.cfg,
+                  config_hash=record.get("config_hash", ""), root=str(prep.run.root), **fields)
+
+
+def _require_tokenize(call: str, prep: _Prepared) -> None:
+    if prep.tokens_stage != "tokenize":
+        raise UserError(f"raycurate.{call}() selects from the whole tokenized table; pass the result of "
+                        f"raycurate.ingest() (or rows), not a {prep.tokens_stage} selection")
+
+
+# --------------------------------------------------------------------------------------------- calls
+
+
+def ingest(source: Any, *, model: str | None = None, max_length: int | None = None,
+           split_ratios: dict[str, float] | None = None, split_seed: int | None = None, strict: bool | None = None,
+           workdir: str | os.PathLike | None = None, config: dict | None = None, **sections: Any) -> Result:
+    """Validate and tokenize rows: the ``ingest`` and ``tokenize`` stages of every pipeline.
+
+    Args:
+        source: Path(s) (jsonl / parquet files, folders, globs, HF ``save_to_disk`` folders), a list of dicts, a
+            ``pyarrow.Table``, a pandas DataFrame, a ``datasets.Dataset`` or a ``ray.data.Dataset``; each row has
+            ``prompt`` and ``response`` (optional ``id``, ``domain``, ``messages``; other fields pass through).
+            In-memory rows are written once into ``<workdir>/inputs/source-<content hash>/``.
+        model: Base model whose tokenizer is used (``embedded``, a tiny preset or a local checkpoint folder);
+            default ``embedded``.
+        max_length: Longest tokenized row (``data.max_length``); longer rows are rejected as ``over_length``.
+        split_ratios: Split name -> share (``data.split_ratios``; BRIDGE needs warmup / validation / selection).
+        split_seed: Seed of the deterministic split assignment.
+        strict: Fail on the first bad row instead of rejecting it.
+        workdir: The workspace; default a fresh temporary folder.
+        config: Further keys, dotted (``{"data.shard_rows": 1000}``) or as section mappings.
+        **sections: Section mappings (``tokenize={"num_actors": 1}``, ``ray={"num_cpus": 2}``).
+
+    Returns:
+        :class:`Result` of stage ``tokenize`` (output ``tokens``): one row per accepted input row with columns
+        ``id`` (str), ``prompt``, ``response``, ``domain``, ``split`` (str), ``source``, ``line``, the pass-through
+        fields, ``input_ids`` (list<int32>, length T <= max_length), ``prompt_len`` (int32), ``loss_mask``
+        (list<int8>, length T, 1 on supervised response tokens), ``weight`` (float32), ``prompt_offsets`` /
+        ``response_offsets`` (list<int32>, character offsets).  ``metrics`` holds the tokenize counts and
+        ``metrics["rows"]`` the accounting ``{input, accepted, rejected, rejected_by_reason, rejected_files}``
+        (``input == accepted + rejected``).
+
+    Raises:
+        ConfigError: A bad key or value.  InputError: Unreadable inputs, or no row accepted.
+    """
+    if isinstance(source, Result):
+        raise UserError(f"raycurate.ingest(): {source.stage} is a result of a workspace already; pass it to the next "
+                        "call directly, or re-ingest its rows with raycurate.ingest(result.path)")
+    keys = {"data.max_length": max_length, "data.split_ratios": split_ratios, "data.split_seed": split_seed,
+            "data.strict": strict}
+    with _prepared("ingest", "sft", source, model=model, workdir=workdir, config=config, sections=sections,
+                   keys=keys) as prep:
+        result = _result(prep, "tokenize", "tokens", tokens_stage="tokenize")
+        result.metrics["rows"] = prep.run.load_manifest().get("rows", {})
+        return result
+
+
+def bridge_select(data: Any, *, model: str | None = None, rho_p: float | None = None, rho_r: float | None = None,
+                  workdir: str | os.PathLike | None = None, config: dict | None = None, **sections: Any) -> Result:
+    """BRIDGE token masks at one budget: warmup SFT, scoring direction, fused scoring + coupled selection +
+    closure, compaction (``docs/bridge.md``); the stages of ``pipeline: bridge`` before its final training.
+
+    A workspace that has the warmup and direction already re-runs only the selection and compaction at a new
+    budget.  The token-selection baselines and the fidelity diagnostics are off here unless configured
+    (``bridge={"baselines": ["random"], "diagnostics_rows": 200}``).
+
+    Args:
+        data: Rows (anything :func:`ingest` takes) or an :func:`ingest` result; the rows need the splits
+            ``warmup`` (warmup SFT), ``validation`` (scoring direction) and ``selection`` (the rows selected).
+        model: Base model (raw rows only; a result keeps its own).
+        rho_p: Share of eligible prompt tokens kept (``bridge.rho_p``).
+        rho_r: Share of eligible response tokens supervised (``bridge.rho_r``).
+        workdir: The workspace; default that of ``data`` when it is a result, else a fresh temporary folder.
+        config: Further keys, dotted or as section mappings.
+        **sections: Section mappings: ``bridge`` (e.g. ``last_layers``, ``schedule``), ``train`` (the warmup
+            SFT), ``bridge_pool`` (scoring actors), ``run`` (``force``), ...
+
+    Returns:
+        :class:`Result` of stage ``bridge_select`` (output ``selection``): one row per ``selection``-split row,
+        its token columns (as :func:`ingest`) plus ``sel_prompt_keep`` (list<int8>, length prompt_len, 1 on kept prompt
+        tokens), ``sel_loss_mask`` (list<int8>, length T, 1 on supervised response tokens), ``sel_response_scores``
+        (list<float32>), budgets ``sel_b_p`` / ``sel_b_r`` and realised ``sel_kept_prompt`` /
+        ``sel_supervised_response`` (int32), ``sel_utility_retained`` (float64) and the closure columns.
+        ``metrics``: realised budget ratios, U_sur per schedule, closure coverage, and ``compact`` (token counts
+        of the compacted table).  :func:`train` on it fits the compacted rows (``.tokens``: stage
+        ``bridge_compact``, kept prompt tokens only, unselected responses masked).
+    """
+    # When the BRIDGE stage is split into bridge_score (budget-free scores, cached) + bridge_select (budgets), this
+    # call keeps its signature: run_bridge_selection switches stages and a new budget re-runs only the selection.
+    from raycurate.pipelines.bridge import run_bridge_selection
+
+    defaults = {"bridge.baselines": [], "bridge.diagnostics_rows": 0}
+    with _prepared("bridge_select", "bridge", data, model=model, workdir=workdir, config=config, sections=sections,
+                   defaults=defaults, keys={"bridge.rho_p": rho_p, "bridge.rho_r": rho_r}) as prep:
+        _require_tokenize("bridge_select", prep)
+        methods = run_bridge_selection(prep.run, prep.cfg)
+        result = _result(prep, "bridge_select", "selection", tokens_stage=methods["bridge"], method="bridge")
+        result.metrics["compact"] = (prep.run.stage_record(methods["bridge"]) or {}).get("metrics", {})
+        return result
+
+
+def identify_heads(data: Any, *, model: str | None = None, head_ratio: float | None = None,
+                   task_model: str | None = None, workdir: str | os.PathLike | None = None,
+                   config: dict | None = None, **sections: Any) -> Result:
+    """P2D head scoring: fine-tune a proxy on 100 seeded rows (or use ``task_model``) and rank every query head
+    by the W1 distance of its weights from the base model's (``docs/p2d.md``).
+
+    Args:
+        data: Rows (anything :func:`ingest` takes) or an :func:`ingest` result.
+        model: Base model (raw rows only).
+        head_ratio: rho_P, the share of query heads selected (``p2d.head_ratio``).
+        task_model: A fine-tuned checkpoint folder to score against instead of training the proxy.
+        workdir: The workspace; default that of ``data`` when it is a result, else a fresh temporary folder.
+        config: Further keys, dotted or as section mappings.
+        **sections: Section mappings: ``p2d`` (``proxy_steps``, ``head_tau``, ...), ``train`` (the proxy's
+            workers / batch), ``run``, ...
+
+    Returns:
+        :class:`Result` of stage ``p2d_heads`` (output ``heads``, ``heads.json``): ``.table`` has one row per query
+        head (``layer``, ``head``, ``score``, ``selected``, ...), ``.heads`` the selected ``[[layer, head], ...]``
+        and ``.adapter`` the head-delta adapter spec on them.
+    """
+    from raycurate.pipelines.p2d import run_p2d_heads
+    from raycurate.stages.p2d import selected_heads
+
+    with _prepared("identify_heads", "p2d", data, model=model, workdir=workdir, config=config, sections=sections,
+                   keys={"p2d.head_ratio": head_ratio, "p2d.task_model": task_model}) as prep:
+        _require_tokenize("identify_heads", prep)
+        run_p2d_heads(prep.run, prep.cfg)
+        adapter = {"kind": "head_delta", "heads": selected_heads(prep.run, "p2d_heads"),
+                   "train_o": prep.cfg.p2d.train_o}
+        return _result(prep, "p2d_heads", "heads", adapter=adapter)
+
+
+def p2d_select(data: Any, *, model: str | None = None, head_ratio: float | None = None,
+               data_ratio: float | None = None, task_model: str | None = None,
+               workdir: str | os.PathLike | None = None, config: dict | None = None, **sections: Any) -> Result:
+    """P2D example selection: head scoring (:func:`identify_heads`), ICL probing with the selected heads'
+    attention on Ray Data actors, and the top rho_D rows by their probing score.
+
+    Args:
+        data: Rows (anything :func:`ingest` takes) or an :func:`ingest` result.
+        model: Base model (raw rows only).
+        head_ratio: rho_P, the share of query heads selected.
+        data_ratio: rho_D, the share of the pool selected (``p2d.data_ratio``).
+        task_model: A fine-tuned checkpoint folder to score heads against instead of training the proxy.
+        workdir: The workspace; default that of ``data`` when it is a result, else a fresh temporary folder.
+        config: Further keys, dotted or as section mappings.
+        **sections: Section mappings: ``p2d`` (``rounds``, ``demos``, ``query_score``, ``pool_split``,
+            ``baselines``: none by default here), ``p2d_pool``, ``train``, ``run``, ...
+
+    Returns:
+        :class:`Result` of stage ``p2d_select`` (output ``selection``): one row per pool row with ``id``,
+        ``s_final`` (float64 probing score), ``rank`` (int64, 1 = best), ``selected`` (bool), ``reason`` (str) and
+        ``clean`` (the ground-truth label where the rows carry one).  ``metrics``: pool size, selected count and
+        (labelled rows) the clean share among selected / random / all rows.  ``.tokens`` is the selected rows'
+        token table (stage ``p2d_rows``); :func:`train` on it adapts the selected heads only (``.adapter``) unless
+        given ``adapter=None``.
+    """
+    from raycurate.pipelines.p2d import run_p2d_selection
+    from raycurate.stages.p2d import selected_heads
+
+    keys = {"p2d.head_ratio": head_ratio, "p2d.data_ratio": data_ratio, "p2d.task_model": task_model}
+    with _prepared("p2d_select", "p2d", data, model=model, workdir=workdir, config=config, sections=sections,
+                   defaults={"p2d.baselines": []}, keys=keys) as prep:
+        _require_tokenize("p2d_select", prep)
+        run_p2d_selection(prep.run, prep.cfg)
+        adapter = {"kind": "head_delta", "heads": selected_heads(prep.run, "p2d_heads"),
+                   "train_o": prep.cfg.p2d.train_o}
+        return _result(prep, "p2d_select", "selection", tokens_stage="p2d_rows", method="p2d", adapter=adapter)
+
+
+def bds_weights(data: Any, *, model: str | None = None, online: bool = False, workdir: str | os.PathLike | None = None,
+                config: dict | None = None, **sections: Any) -> Result:
+    """BDS data weights: LoRA training on the candidate rows with per-row weights sigma(omega) learned against
+    the validation rows (bilevel, ``docs/bilevel.md``); ``online=True`` adds BMO regeneration on generation actors.
+
+    Args:
+        data: Rows (anything :func:`ingest` takes) or an :func:`ingest` result; the validation rows are split
+            ``bilevel.validation_split`` (default ``validation``; clean rows only when the rows carry the embedded
+            corpus's labels), the candidates ``bilevel.candidate_split`` (default ``selection``).
+        model: Base model (raw rows only).
+        online: Run BDS + BMO online regeneration (method ``online``) instead of offline BDS (``bds``).
+        workdir: The workspace; default that of ``data`` when it is a result, else a fresh temporary folder.
+        config: Further keys, dotted or as section mappings.
+        **sections: Section mappings: ``bilevel`` (``lr``, ``epochs``, ``omega_lr``, ``adapter``, ...), ``train``
+            (workers, batch: the effective batch is split between validation and candidate rows), ``run``, ...
+
+    Returns:
+        :class:`Result` of stage ``train_bilevel_bds`` (or ``train_bilevel_online``), output ``weights``: one row
+        per (epoch snapshot, candidate) with ``id``, ``step``, ``omega``, ``sigma`` (the weight, float) and
+        ``rank``; ``.model_dir`` is the trained (merged) checkpoint.  ``metrics`` holds the training metrics and
+        ``analysis`` (weights by label and their AUROC where the rows carry labels, extremes, sampling-order
+        Spearman).
+    """
+    from raycurate.pipelines.bilevel import bilevel_train_config, split_rows, train_method
+    from raycurate.stages.bilevel import weight_analysis
+
+    method = "online" if online else "bds"
+    with _prepared("bds_weights", "bilevel", data, model=model, workdir=workdir, config=config, sections=sections,
+                   keys={"bilevel.methods": [method]}) as prep:
+        _require_tokenize("bds_weights", prep)
+        split_rows(prep.run, prep.cfg)
+        stage = train_method(prep.run, prep.cfg, method, bilevel_train_config(prep.cfg))
+        result = _result(prep, stage, "weights")
+        result.metrics["analysis"] = weight_analysis(prep.run, stage, "bilevel_candidate_rows")
+        return result
+
+
+_AUTO: Any = "auto"
+
+
+def train(data: Any, *, model: str | None = None, epochs: int | None = None, lr: float | None = None,
+          adapter: dict | None = _AUTO, name: str | None = None, workdir: str | os.PathLike | None = None,
+          config: dict | None = None, **sections: Any) -> Result:
+    """Supervised fine-tuning on Ray Train (DeepSpeed ZeRO or DDP): the ``train`` stage of ``pipeline: sft``.
+
+    Args:
+        data: Rows (anything :func:`ingest` takes; all rows are trained on) or a result: :func:`ingest` (all
+            rows), :func:`bridge_select` (the compacted rows), :func:`p2d_select` (the selected rows).
+        model: Base model (raw rows only; a result keeps its own).  Training starts from it.
+        epochs: Passes over the rows (``train.epochs``).
+        lr: Peak learning rate (``train.lr``).
+        adapter: An adapter spec (``{"kind": "lora", "r": 16, "alpha": 16}``, a P2D head-delta spec) or None
+            for full fine-tuning; by default the result's own (P2D: its heads), else full fine-tuning.
+        name: The stage name (default ``train`` for all rows, ``train_bridge`` / ``train_p2d`` for selections).
+        workdir: The workspace; default that of ``data`` when it is a result, else a fresh temporary folder.
+        config: Further keys, dotted or as section mappings.
+        **sections: Section mappings: ``train`` (``num_workers``, ``micro_batch_size``, ``effective_batch_size``,
+            ``engine``, ``zero_stage``, ...), ``run``, ...
+
+    Returns:
+        :class:`Result` of the training stage, output ``model``: ``.model_dir`` is a Hugging Face checkpoint
+        folder (weights + tokenizer; LoRA also under ``adapter/``); ``metrics`` holds steps, final loss and
+        throughput.  Pass it to :func:`evaluate`.
+    """
+    from raycurate.stages.model_stages import train_stage
+
+    keys = {"train.epochs": epochs, "train.lr": lr}
+    with _prepared("train", "sft", data, model=model, workdir=workdir, config=config, sections=sections,
+                   keys=keys) as prep:
+        method = data.method if isinstance(data, Result) else "all"
+        stage = name or ("train" if method == "all" else f"train_{method}")
+        spec = (data.adapter if isinstance(data, Result) else None) if adapter is _AUTO else adapter
+        from raycurate.pipelines.common import forced
+
+        train_stage(prep.run, stage, tokens_stage=prep.tokens_stage, init_stage="base_model",
+                    train_cfg=prep.cfg.train, adapter=spec, force=forced(prep.cfg, stage))
+        return _result(prep, stage, "model")
+
+
+def evaluate(model: Any, heldout: Any, *, name: str | None = None, workdir: str | os.PathLike | None = None,
+             config: dict | None = None, **sections: Any) -> Result:
+    """Held-out evaluation on a Ray Data actor pool: greedy and sampled answers, exact match of the final
+    ``####`` answer, gold-response loss (the pipelines' ``eval_*`` stages).
+
+    Args:
+        model: A :func:`train` / :func:`bds_weights` result, or a checkpoint folder.
+        heldout: Rows with ``id``, ``prompt``, ``response`` and the gold final answer in ``label.answer`` (e.g.
+            :func:`raycurate.data.corpus.generate_heldout`): a list of dicts, a jsonl / parquet path, a
+            ``pyarrow.Table`` or a ``ray.data.Dataset``.
+        name: The stage name (default ``eval`` / ``eval_<method>`` after the model's training stage).
+        workdir: The workspace; default the model result's, else a fresh temporary folder.
+        config: Further keys, dotted or as section mappings (``data.max_length`` limits the gold sequences;
+            default the model result's).
+        **sections: Section mappings: ``eval`` (``samples``, ``max_new_tokens``, ``temperature``, ``pool``), ...
+
+    Returns:
+        :class:`Result` of the evaluation stage, output ``predictions``: one row per held-out question with
+        ``id``, ``generated``, ``predicted_answer``, ``gold_answer``, ``correct`` (bool), ``gold_loss`` (float),
+        ``has_final_answer``, ``unsafe_marker``, ``equations_correct`` / ``equations_total`` and, with
+        ``eval.samples > 0``, ``sampled_accuracy`` / ``sampled_unsafe``.  ``metrics``: ``rows``,
+        ``exact_match``, ``gold_loss``, ``answer_format_rate``, ``unsafe_rate``, ``equation_accuracy`` (and
+        ``sampled_exact_match`` / ``sampled_unsafe_rate``).
+    """
+    from raycurate.pipelines.common import forced
+    from raycurate.stages.model_stages import evaluate_stage
+    from raycurate.stages.tables import external_model_stage, heldout_stage, source_rows
+
+    chained = isinstance(model, Result)
+    if chained and model.model_dir is None:
+        raise UserError(f"raycurate.evaluate(): {model.stage} holds no model; pass a train() result or a "
+                        "checkpoint folder")
+    base = model.config if chained else None
+    cfg = job_config("evaluate", "sft", base=base, config=config, sections=sections)
+    if workdir is None:
+        workdir = model.workdir if chained else _new_workdir()
+    cfg = _with_workdir(cfg, str(workdir))
+    rows = source_rows(heldout)
+    with _opened(cfg) as run:
+        prep = _Prepared(run, cfg, "")
+        same = chained and str(run.root) == model.root
+        if same:
+            model_stage = model.stage
+        else:
+            model_stage = "external_model"
+            external_model_stage(run, model_stage, model.model_dir if chained else model,
+                                 force=forced(cfg, model_stage))
+        heldout_stage(run, "heldout", rows, force=forced(cfg, "heldout"))
+        stage = name or ("eval" if model_stage == "train" else f"eval_{model_stage.removeprefix('train_')}")
+        evaluate_stage(run, stage, model_stage=model_stage, heldout_stage="heldout", eval_cfg=cfg.eval,
+                       max_length=cfg.data.max_length, force=forced(cfg, stage))
+        return _result(prep, stage, "predictions")
