@@ -25,6 +25,9 @@ validated like a job file: a bad key or value raises :class:`raycurate.config.lo
 
 This module sits at the pipelines level of the layering (it calls :mod:`raycurate.pipelines` and
 :mod:`raycurate.stages`, never ``ray`` directly); ``import raycurate`` imports it on first attribute use only.
+
+Why one module: it is the public surface, read top to bottom by users (``help(raycurate)``); each call is a few
+lines over shared workspace helpers, and splitting the calls across files would scatter one page of documentation.
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ import torch
 from train_helpers import VOCAB, Crash, LocalSession, write_tiny_llama
 
 from raycurate.config.train import TrainConfig
+from raycurate.models.optim import cosine_with_warmup
 from raycurate.stages.train import SFTJob, train_loop
 from raycurate.training.batches import collate, load_token_table
 from raycurate.training.deepspeed_config import deepspeed_config, grad_accum_steps
 from raycurate.training.export import METRICS_FILE
-from raycurate.models.optim import cosine_with_warmup
 from raycurate.training.order import epoch_order, micro_batch_rows, total_steps
 
 # ------------------------------------------------------------------------------------------ fixtures

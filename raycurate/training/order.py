@@ -10,8 +10,6 @@ is not trained on in that epoch; because the permutation changes per epoch, no r
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from raycurate.config.train import TrainConfig
