@@ -153,7 +153,7 @@ def test_a_budget_change_reruns_only_bridge_select(embedded, tmp_path, ray_local
     _record(run, "warmup", {"model": embedded["model_dir"]}, {"model": 1})
     _record(run, "direction", {"direction": embedded["direction_path"]}, {"last_layers": 1})
     pool = ActorPoolConfig(num_actors=1, batch_size=4, shard_rows=3)
-    cfg = BridgeConfig(rho_p=0.5, rho_r=0.75, micro_batch=4)
+    cfg = BridgeConfig(rho_p=0.5, rho_r=0.75, micro_batch=4, select_actors=1)  # first: CPU actors
 
     def both(cfg):
         score_stage(run, tokens_stage="rows", warmup_stage="warmup", direction_stage_name="direction",
@@ -161,21 +161,30 @@ def test_a_budget_change_reruns_only_bridge_select(embedded, tmp_path, ray_local
         select_stage(run, score_stage_name="bridge_score", bridge_cfg=cfg, pool_cfg=pool, progress=False)
         return json.loads(run.manifest_path.read_text())["stages"]
 
-    first = both(cfg)
-    assert first["bridge_score"]["executions"] == 1 and first["bridge_select"]["executions"] == 1
-    assert first["bridge_score"]["metrics"]["rows_scored"] == len(embedded["rows"])
-    # the selection stage's output is what the combined path selects
     from raycurate.algorithms.routing import default_routing_layer
     from raycurate.stages.bridge import selection_settings
 
-    combined = score_and_select_rows(embedded["model"], embedded["direction"], default_routing_layer(embedded["model"]),
-                                     embedded["rows"], selection_settings(cfg), pad_id=embedded["pad_id"],
-                                     micro_batch=4, score_dtype=cfg.score_dtype)
-    selected = read_token_rows(run.root / "bridge_select" / "selection")
-    assert [r["sel_loss_mask"] for r in selected] == [c["loss_mask"].tolist() for c in combined]
-    assert [r["row_index"] for r in selected] == list(range(len(combined)))
+    def check_against_combined(cfg):
+        """The selection stage's output is what the combined in-memory path selects, bit for bit."""
+        combined = score_and_select_rows(embedded["model"], embedded["direction"],
+                                         default_routing_layer(embedded["model"]), embedded["rows"],
+                                         selection_settings(cfg), pad_id=embedded["pad_id"], micro_batch=4,
+                                         score_dtype=cfg.score_dtype)
+        selected = read_token_rows(run.root / "bridge_select" / "selection")
+        assert [r["sel_loss_mask"] for r in selected] == [c["loss_mask"].tolist() for c in combined]
+        assert [r["sel_prompt_keep"] for r in selected] == [c["prompt_keep"].tolist() for c in combined]
+        assert [r["row_index"] for r in selected] == list(range(len(combined)))
 
-    second = both(dataclasses.replace(cfg, rho_p=0.75, rho_r=0.5))
+    first = both(cfg)
+    assert first["bridge_score"]["executions"] == 1 and first["bridge_select"]["executions"] == 1
+    assert first["bridge_score"]["metrics"]["rows_scored"] == len(embedded["rows"])
+    assert first["bridge_select"]["metrics"]["select_actors"] == 1
+    check_against_combined(cfg)
+
+    second_cfg = dataclasses.replace(cfg, rho_p=0.75, rho_r=0.5, select_actors=None)  # small: in the driver
+    second = both(second_cfg)
+    assert second["bridge_select"]["metrics"]["select_actors"] == 0
+    check_against_combined(second_cfg)
     assert second["bridge_score"]["finished"] == first["bridge_score"]["finished"], "the model ran again"
     assert second["bridge_score"]["executions"] == 1
     assert second["bridge_select"]["executions"] == 2

@@ -224,13 +224,10 @@ class BridgeScoreUDF:
 
 
 class BridgeSelectUDF:
-    """CPU actor: budgets, coupled selection and closure from the stored scores; swaps the ``score_*`` columns for
-    the ``sel_*`` columns (:func:`selection_table`).  No model, no torch threads beyond one."""
+    """Budgets, coupled selection and closure from the stored scores (CPU actor, or in the driver process); swaps
+    the ``score_*`` columns for the ``sel_*`` columns (:func:`selection_table`).  No model."""
 
     def __init__(self, settings: Any):
-        import torch
-
-        torch.set_num_threads(1)
         self.settings = settings
 
     def __call__(self, batch: Any) -> Any:
@@ -292,26 +289,38 @@ def score_stage(run: RunDir, *, tokens_stage: str, warmup_stage: str, direction_
                      upstream=[tokens_stage, warmup_stage, direction_stage_name], force=force)
 
 
+#: ``bridge.select_actors: null`` selects in the driver process up to this many rows: below it, starting CPU
+#: actors (a Python process importing torch each, ~5 s idle, far more on a loaded machine) costs more than the
+#: selection itself (~0.5-1 ms per example with closure).
+SELECT_IN_PROCESS_ROWS = 20_000
+
+
 def select_stage(run: RunDir, *, score_stage_name: str, bridge_cfg: Any, pool_cfg: ActorPoolConfig,
                  progress: bool = True, force: bool = False) -> dict:
     """``bridge_select``: per-example budgets, coupled selection and closure from ``bridge_score``'s stored scores
-    on CPU actors (no model, no GPU), in resumable shards; writes ``selection/part-*.parquet`` (token columns +
-    ``sel_*`` columns).  Keyed by the selection settings (budgets, schedule, closure)."""
+    (no model, no GPU), in resumable shards, on CPU actors or in the driver process (``bridge.select_actors``);
+    writes ``selection/part-*.parquet`` (token columns + ``sel_*`` columns).  Keyed by the selection settings
+    (budgets, schedule, closure); where it runs does not change the output."""
     scores = output_path(run, score_stage_name, "scores")
     settings = selection_settings(bridge_cfg)
 
     def body(out: Path) -> StageOutput:
-        from raycurate.stages.sharded import SHARDS_DIR, sharded_map
+        from raycurate.stages.sharded import SHARDS_DIR, list_input_files, sharded_map
 
-        pool = resolve_pool(dataclasses.replace(pool_cfg, gpus_per_actor=0))
+        actors = bridge_cfg.select_actors
+        if actors is None:
+            rows = sum(f.rows for f in list_input_files(scores))
+            actors = 0 if rows <= SELECT_IN_PROCESS_ROWS else pool_cfg.num_actors
+        pool = resolve_pool(dataclasses.replace(pool_cfg, gpus_per_actor=0, num_actors=max(actors, 1)))
         scratch = scratch_dir(run, "bridge_select")
         shard_metrics = sharded_map(str(scores), scratch, BridgeSelectUDF, {"settings": settings},
                                     shard_rows=pool_cfg.shard_rows, num_actors=pool.num_actors,
                                     num_cpus_per_actor=pool.num_cpus, num_gpus_per_actor=0,
-                                    batch_rows=pool.batch_size, progress=progress)
+                                    batch_rows=pool.batch_size, progress=progress, in_process=actors == 0)
         os.replace(scratch / SHARDS_DIR, out / "selection")
         metrics = selection_summary(out / "selection")
         metrics["shards"] = {k: v for k, v in shard_metrics.items() if not isinstance(v, (list, dict))}
+        metrics["select_actors"] = actors
         return StageOutput(outputs={"selection": "selection"}, metrics=metrics)
 
     return run_stage(run, "bridge_select", body, config={"settings": dataclasses.asdict(settings)},
