@@ -13,7 +13,9 @@ only (no training, no evaluation):
   another fresh run directory, each trial calling ``bridge_score`` (skipped after the first: its hash ignores the
   budgets) and ``bridge_select``, as the Tune trials do in their shared run directory.
 
-``model_passes`` counts the executions of ``bridge_score`` in the sweep's manifest (target 1).  Last line:
+``model_passes`` counts the executions of ``bridge_score`` in the sweep's manifest (target 1).  On a shared
+machine the load drifts between the two timings, so the line before the last also gives the sweep over its own
+first trial (which scores and selects one budget under the same load).  Last line:
 ``model_passes=… sweep_seconds_over_single=…`` (target ratio <= 1.5).
 """
 
@@ -121,11 +123,13 @@ def main() -> None:
     sweep = new_run(work / "sweep", inputs)
     trials = budget_grid()
     started = time.perf_counter()
+    trial_s = []
     for trial in trials:
         t0 = time.perf_counter()
         score_and_select(sweep, dataclasses.replace(base, **trial), pool)
+        trial_s.append(time.perf_counter() - t0)
         m = json.loads(sweep.manifest_path.read_text())["stages"]["bridge_select"]["metrics"]
-        print(f"  trial {trial}: {time.perf_counter() - t0:.1f} s, realised rho_p {m['prompt_budget_ratio']:.3f} "
+        print(f"  trial {trial}: {trial_s[-1]:.1f} s, realised rho_p {m['prompt_budget_ratio']:.3f} "
               f"rho_r {m['response_budget_ratio']:.3f}")
     sweep_s = time.perf_counter() - started
     stages = json.loads(sweep.manifest_path.read_text())["stages"]
@@ -133,6 +137,7 @@ def main() -> None:
     print(f"sweep of {len(trials)} budgets: {sweep_s:.1f} s; bridge_score executions {passes}, bridge_select "
           f"executions {stages['bridge_select']['executions']}")
     shutil.rmtree(work, ignore_errors=True)
+    print(f"sweep over its own first trial (same load): {sweep_s / trial_s[0]:.2f}")
     print(f"model_passes={passes} sweep_seconds_over_single={sweep_s / single_s:.2f}")
 
 
