@@ -118,7 +118,10 @@ def main() -> None:
     single_s = time.perf_counter() - started
     stages = json.loads(single.manifest_path.read_text())["stages"]
     print(f"single budget: {single_s:.1f} s (bridge_score {stages['bridge_score']['seconds']:.1f} s, "
-          f"bridge_select {stages['bridge_select']['seconds']:.1f} s), {inputs['rows']} rows")
+          f"bridge_select {stages['bridge_select']['seconds']:.1f} s), {inputs['rows']} rows; stored scores "
+          f"{stages['bridge_score']['metrics']['score_bytes'] / 1e6:.2f} MB "
+          f"({stages['bridge_score']['metrics']['score_bytes'] / inputs['rows'] / 1e3:.1f} kB per row, "
+          f"{stages['bridge_score']['metrics']['score_dtype']})")
 
     sweep = new_run(work / "sweep", inputs)
     trials = budget_grid()
