@@ -266,6 +266,8 @@ def score_stage(run: RunDir, *, tokens_stage: str, warmup_stage: str, direction_
     model_dir = output_path(run, warmup_stage, "model")
     direction = output_path(run, direction_stage_name, "direction")
     settings = selection_settings(bridge_cfg)
+    if settings.prompt_proxy != "knockout_grad":  # the routing proxy's scores ignore the selection settings: keep
+        settings = type(settings)(prompt_proxy=settings.prompt_proxy)  # them out of the shard plan key (resume)
 
     def body(out: Path) -> StageOutput:
         from raycurate.stages.sharded import SHARDS_DIR, sharded_map
