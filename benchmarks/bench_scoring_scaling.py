@@ -1,4 +1,4 @@
-"""BRIDGE score-and-select stage throughput with 1 and 2 Ray Data actors (same rows, same model).
+"""BRIDGE scoring stage throughput with 1 and 2 Ray Data actors (same rows, same model).
 
 Usage::
 
@@ -6,7 +6,8 @@ Usage::
 
 Builds the tiny model (briefly pre-trained, cached in a temp folder), tokenizes embedded-corpus rows, draws a seeded
 scoring direction on the last 4 layers, then runs the real actor UDF (`BridgeScoreUDF`: JVP utilities, one
-attention layer, alternating selection, closure) with pools of 1 and 2 actors, one torch thread each.  Last line:
+attention layer; since issue #15 the selection runs in its own CPU stage, so rows before that date include the
+alternating selection and closure) with pools of 1 and 2 actors, one torch thread each.  Last line:
 ``scaling_2_over_1=…`` (rows/s with 2 actors over rows/s with 1).
 """
 

@@ -8,16 +8,20 @@ lam = 0.2.  Timings are the minimum over ``--repeats`` interleaved runs (the mac
 are flushed to zero for every timed computation (``torch.set_flush_denormal``, the recommended CPU setting for
 scoring actors; ``--keep-denormals`` turns it off): without it the attention and log-softmax of the forward-mode
 pass hit slow denormal arithmetic on CPU.  Informational rows time the utilities with gradients restricted to the
-last 1 and 2 layers, which is closer to the paper's setting (final 4 of 28 layers for Llama-3.2-3B).  Usage::
+last 1 and 2 layers.  ``--layers N`` (default 16) adds the paper's shape, L = ``--last-layers`` (4) scoring
+layers of a deeper model: the same tiny-llama geometry with N layers (seeded init), timed forward vs utilities on
+the same batch, interleaved with the rest (Llama-3.2-3B is L = 4 of 28).  Usage::
 
-    python benchmarks/bench_token_utility.py [--batch 2] [--prompt 64] [--repeats 9] [--threads 2]
+    python benchmarks/bench_token_utility.py [--batch 2] [--prompt 64] [--repeats 9] [--threads 2] [--layers 16]
 
-The last line is ``utility_over_forward=... backward_over_utility=... max_abs_err=... knockout_over_routing=...``:
-utility time / plain forward time (target <= 2.5), per-token-backward reference time / utility time (target >=
-100), the largest absolute difference between the JVP utilities and the reference, and the cost of the knock-out
-prompt proxy (``bridge.prompt_proxy=knockout_grad``, one double-backward pass over per-token key scales, all
-prompt tokens at once) relative to the routing proxy (one eager attention layer + routing weights): median
-[min, max] of the per-run ratios over the interleaved runs.
+The line before the last reports the knock-out prompt proxy (``bridge.prompt_proxy=knockout_grad``, one
+double-backward pass over per-token key scales, all prompt tokens at once) relative to the routing proxy (one
+eager attention layer + routing weights): ``knockout_over_routing=median[min,max]`` of the per-run ratios.  The
+last line is ``utility_over_forward=... utility_over_forward_l4_of_16=... backward_over_utility=...
+max_abs_err=...``: utility time / plain forward time on the 4-layer model with L = 4 (target <= 2.5), the same
+ratio with L = 4 of the ``--layers``-layer model (the key names the actual L and N), per-token-backward reference
+time / utility time (target >= 100, 4-layer model), and the largest absolute difference between the JVP
+utilities and the reference.
 """
 
 from __future__ import annotations
@@ -58,6 +62,20 @@ def build(seed: int):
     return tokenizer, build_tiny_model("tiny-llama", tokenizer, seed)
 
 
+def build_deep(tokenizer, layers: int, seed: int):
+    """tiny-llama's geometry with ``layers`` layers (seeded init, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    from raycurate.models.tiny import tiny_config
+
+    config = tiny_config("tiny-llama", tokenizer)
+    config.num_hidden_layers = layers
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return model.eval()
+
+
 def direction_for(model, val_batch: dict[str, torch.Tensor], seed: int, last_layers: int = 4) -> dict:
     from raycurate.algorithms import token_utility as tu
 
@@ -88,7 +106,11 @@ def main() -> None:
     parser.add_argument("--keep-denormals", action="store_true", help="do not flush denormals to zero")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=16, help="layers of the deeper model (0: skip it)")
+    parser.add_argument("--last-layers", type=int, default=4, help="scoring layers L on the deeper model")
     args = parser.parse_args()
+    if args.layers and not 1 <= args.last_layers <= args.layers:
+        parser.error(f"--last-layers must be in [1, --layers={args.layers}]")
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(not args.keep_denormals)
 
@@ -122,6 +144,16 @@ def main() -> None:
 
     timed = {"forward": forward, "utility": utility, "routing": routing, "knockout": knockout}
     timed.update({f"L{layers}": (lambda d=d: tu.token_utilities(model, *inputs, d)) for layers, d in shallow.items()})
+    if args.layers:
+        deep = build_deep(tokenizer, args.layers, args.seed)
+        deep_direction = direction_for(deep, val_batch, args.seed, args.last_layers)
+
+        def deep_forward() -> None:
+            with torch.no_grad():
+                deep(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+
+        timed["deep_forward"] = deep_forward
+        timed["deep_utility"] = lambda: tu.token_utilities(deep, *inputs, deep_direction)
     best = {name: float("inf") for name in timed}
     ratios = []  # knockout / routing, one per interleaved run
     for _ in range(args.repeats):  # interleaved, so load spikes hit all alike
@@ -158,8 +190,15 @@ def main() -> None:
           f"{best['knockout'] / best['routing']:.2f}; "
           f"scoring (utility + routing) grows by x{(scoring + best['knockout']) / scoring:.2f}")
     print(f"max |a_jvp - a_ref| = {max_abs_err:.3e} (max |a_ref| = {scale:.3e}, relative {max_abs_err / scale:.1e})")
-    print(f"utility_over_forward={t_utility / t_forward:.3f} backward_over_utility={t_reference / t_utility:.1f} "
-          f"max_abs_err={max_abs_err:.3e} knockout_over_routing={ratio_median:.2f}[{ratio_lo:.2f},{ratio_hi:.2f}]")
+    deep_key = ""
+    if args.layers:
+        deep_ratio = best["deep_utility"] / best["deep_forward"]
+        print(f"{args.layers}-layer tiny-llama geometry: forward {best['deep_forward']:.4f} s, JVP utilities "
+              f"L={args.last_layers} {best['deep_utility']:.4f} s, ratio {deep_ratio:.2f}")
+        deep_key = f"utility_over_forward_l{args.last_layers}_of_{args.layers}={deep_ratio:.3f} "
+    print(f"knockout_over_routing={ratio_median:.2f}[{ratio_lo:.2f},{ratio_hi:.2f}]")
+    print(f"utility_over_forward={t_utility / t_forward:.3f} {deep_key}backward_over_utility="
+          f"{t_reference / t_utility:.1f} max_abs_err={max_abs_err:.3e}")
 
 
 if __name__ == "__main__":

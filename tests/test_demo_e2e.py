@@ -43,7 +43,7 @@ def test_demo_end_to_end_resume_and_rerun_downstream_only(tmp_path, ray_local, c
     expected = {"corpus", "base_model", "ingest", "tokenize", "subset_clean", "eval_base",
                 *(f"train_{m}" for m in methods), *(f"eval_{m}" for m in methods),
                 "bridge_warmup_rows", "bridge_validation_rows", "bridge_selection_rows", "bridge_warmup",
-                "bridge_direction", "bridge_select", "bridge_compact", "bridge_diagnostics",
+                "bridge_direction", "bridge_score", "bridge_select", "bridge_compact", "bridge_diagnostics",
                 *(f"baseline_{b}_{k}" for b in ("random", "token_cleaning") for k in ("masks", "compact")),
                 *(f"lm_eval_{m}" for m in ("base", "mixed", "clean", "bridge"))}
     assert set(manifest["stages"]) == expected

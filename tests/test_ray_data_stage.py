@@ -60,3 +60,25 @@ def test_actor_pool_stage_runs_on_two_cpus_without_deadlock(ray_local):
     rows = map_with_actor_pool(ds, AddOffsetUDF, {"offset": 10}, pool).take_all()
     assert [r["y"] for r in rows] == [x + 10 for x in range(400)]
     assert len({r["pid"] for r in rows}) == 2, "both actors should have taken batches"
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_ray_data_progress_bars_follow_run_progress(tmp_path, monkeypatch, progress):
+    """open_run sets DataContext.enable_progress_bars from run.progress (Ray Data's default is on)."""
+    import ray.data
+
+    import raycurate.stages.runtime as runtime
+    from raycurate.config.loader import from_dict
+    from raycurate.config.schema import JobConfig
+    from raycurate.pipelines.common import open_run
+    from raycurate.rundir import release_locks
+
+    monkeypatch.setattr(runtime, "init_ray", lambda **kwargs: None)  # the setting is driver-side: no cluster needed
+    ctx = ray.data.DataContext.get_current()
+    monkeypatch.setattr(ctx, "enable_progress_bars", not progress)
+    cfg = from_dict(JobConfig, {"run": {"name": "p", "runs_dir": str(tmp_path), "progress": progress}})
+    try:
+        open_run(cfg)
+    finally:
+        release_locks()
+    assert ray.data.DataContext.get_current().enable_progress_bars is progress

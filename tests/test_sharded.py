@@ -377,3 +377,22 @@ def test_killed_run_resumes_recomputing_only_unfinished_shards(pickled_tests, tm
     resumed_rows = read_parts(out / "shards")
     assert resumed_rows[ROW_INDEX].to_pylist() == list(range(total))
     assert resumed_rows.to_pylist() == read_parts(tmp_path / "reference" / "shards").to_pylist()
+
+
+def test_in_process_map_writes_the_same_parts_and_resumes_without_ray(tmp_path):
+    """in_process=True (bridge_select on small inputs): same plan, parts and markers as the actor pool, no Ray."""
+    total = write_input(tmp_path / "in", [23, 17])
+    first = sharded_map(tmp_path / "in", tmp_path / "out", LengthScoreUDF, {"scale": 3}, shard_rows=10,
+                        num_actors=0, num_cpus_per_actor=1, progress=False, in_process=True)
+    assert first["shards_computed"] == 4 and first["rows"] == total
+    out = read_parts(tmp_path / "out" / "shards")
+    assert out[ROW_INDEX].to_pylist() == list(range(total))
+    assert out["score"].to_pylist() == expected_scores(total, 3)
+    (tmp_path / "out" / "shards" / "part-00001.done").unlink()
+    again = sharded_map(tmp_path / "in", tmp_path / "out", LengthScoreUDF, {"scale": 3}, shard_rows=10,
+                        num_actors=0, num_cpus_per_actor=1, progress=False, in_process=True)
+    assert (again["shards_skipped"], again["shards_computed"]) == (3, 1)
+    assert read_parts(tmp_path / "out" / "shards").equals(out)
+    with pytest.raises(ValueError, match="num_actors"):
+        sharded_map(tmp_path / "in", tmp_path / "x", LengthScoreUDF, {}, shard_rows=10, num_actors=0,
+                    num_cpus_per_actor=1)

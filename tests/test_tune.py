@@ -61,3 +61,30 @@ def test_three_trial_sweep_scores_once_and_writes_table_and_best_config(tmp_path
     best_row = min(table, key=lambda r: (r["metric"], r["trial"]))
     assert best["p2d"]["data_ratio"] == best_row["param.p2d.data_ratio"]
     assert manifest["tune"]["best"]["metric"] == pytest.approx(best_row["metric"])
+
+
+def test_bridge_budget_sweep_trials_share_one_scoring_pass():
+    """Every trial of tune/bridge_budgets.yaml hashes bridge_score (and everything upstream of it) the same, so the
+    trials, sharing one run directory, run the model once and re-run only bridge_select."""
+    import dataclasses
+    import itertools
+
+    from raycurate.config.sweep import job_path, load_sweep
+    from raycurate.config.loader import config_hash
+    from raycurate.pipelines.sweep import job_config, trial_overrides
+    from raycurate.stages.bridge import score_config, selection_settings
+
+    path = ROOT / "tune/bridge_budgets.yaml"
+    sweep = load_sweep(path)
+    keys = sorted(sweep.params)
+    trials = [dict(zip(keys, values)) for values in itertools.product(*(sweep.params[k]["grid"] for k in keys))]
+    assert len(trials) == 6
+    scoring, selecting = set(), set()
+    for params in trials:
+        cfg = job_config(job_path(sweep, path).resolve(), trial_overrides(sweep, params, None, "runs"))
+        bridge = cfg.bridge
+        upstream = (dataclasses.replace(cfg.train, epochs=bridge.warmup_epochs, max_steps=None), cfg.data, cfg.model,
+                    {k: getattr(bridge, k) for k in ("last_layers", "lam", "validation_rows")}, score_config(bridge))
+        scoring.add(config_hash(upstream, []))
+        selecting.add(config_hash(dataclasses.asdict(selection_settings(bridge)), []))
+    assert len(scoring) == 1 and len(selecting) == 6

@@ -1,7 +1,9 @@
 """BRIDGE per-example pipeline: utilities + routing -> interactions -> budgets -> coupled selection -> closure.
 
-The scoring actor calls :func:`score_and_select_rows` on a batch of token rows; everything here is pure torch /
-numpy (the model is an argument), so the row logic runs and is tested without Ray.  The O(p r) interaction matrix
+The scoring actor calls :func:`score_rows` on a batch of token rows (the model's part: utilities, routing, the
+optional knock-out scores); the selection actor calls :func:`select_rows` on the stored scores (budgets, coupled
+selection, closure; no model).  :func:`score_and_select_rows` chains both in memory.  Everything here is pure
+torch / numpy (the model is an argument), so the row logic runs and is tested without Ray.  The O(p r) interaction matrix
 lives only inside :func:`select_example`.
 """
 
@@ -225,7 +227,62 @@ def pad_rows(rows: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, torch.
     return batch
 
 
-def score_and_select_rows(
+@dataclass
+class RowScores:
+    """What the model contributes to one example's selection (everything else is budget arithmetic).
+
+    Attributes:
+        utilities: (r,) token utilities a_j of the response-side positions p..n-1 (EOS included).
+        a_p: (r, p) prompt routing weights of every response-side position (:func:`routing_weights`).
+        c: (r,) response-history mass.
+        prompt_scores: optional (n,) knock-out prompt scores (``prompt_proxy = "knockout_grad"``); they are
+            conditioned on the routing selection's S_r, so they depend on the budgets and the schedule.
+    """
+
+    utilities: np.ndarray
+    a_p: np.ndarray
+    c: np.ndarray
+    prompt_scores: np.ndarray | None = None
+
+
+SCORE_DTYPES = ("float16", "float32")
+
+
+def quantize(x: np.ndarray, dtype: str) -> tuple[np.ndarray, float]:
+    """Store-side encoding of a score array: ``(values, scale)`` with ``x ~= values * scale``.
+
+    ``float32`` keeps the values exactly (scale 1).  ``float16`` divides by the array's max |x| first (scale), so
+    a row's values neither overflow nor underflow half precision whatever their magnitude; the relative error of
+    an entry is then <= 2^-11 of the row's max |x| (finer for entries within 2^-14 of it).
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "float32":
+        return x, 1.0
+    if dtype != "float16":
+        raise ValueError(f"score dtype {dtype!r} is unknown; choose one of {', '.join(SCORE_DTYPES)}")
+    peak = float(np.max(np.abs(x))) if x.size else 0.0
+    scale = peak if peak > 0 and np.isfinite(peak) else 1.0
+    return (x / np.float32(scale)).astype(np.float16), scale
+
+
+def dequantize(values: np.ndarray, scale: float) -> np.ndarray:
+    """Inverse of :func:`quantize` (float32)."""
+    values = np.asarray(values)
+    if values.dtype == np.float32 and scale == 1.0:
+        return values
+    return values.astype(np.float32) * np.float32(scale)
+
+
+def round_trip(scores: RowScores, dtype: str) -> RowScores:
+    """``scores`` as the selection reads them back after storing them in ``dtype`` (exact for float32)."""
+
+    def rt(x: np.ndarray | None) -> np.ndarray | None:
+        return None if x is None else dequantize(*quantize(x, dtype))
+
+    return RowScores(rt(scores.utilities), rt(scores.a_p), rt(scores.c), rt(scores.prompt_scores))
+
+
+def score_rows(
     model: torch.nn.Module,
     direction: Mapping[str, torch.Tensor],
     routing_layer: int,
@@ -234,26 +291,26 @@ def score_and_select_rows(
     *,
     pad_id: int = 0,
     micro_batch: int = 8,
-) -> list[dict[str, Any]]:
-    """Token utilities (one JVP pass) and routing (one attention layer) per micro-batch, then per-example selection.
+) -> list[RowScores]:
+    """Token utilities (one JVP pass) and routing (one attention layer) per micro-batch: the model's part.
 
     With ``settings.prompt_proxy == "knockout_grad"`` one more double-backward pass per micro-batch scores the
-    prompt tokens by the knock-out derivative conditioned on the routing selection's S_r (see
-    :func:`select_example`).
+    prompt tokens by the knock-out derivative conditioned on the routing selection's S_r (which depends on the
+    budgets and schedule in ``settings``); otherwise ``settings`` is not read.
 
     Args:
         model: Scoring model at theta_bar, eval mode.
         direction: Scoring direction v over the final layers' parameters.
         routing_layer: Attention layer read for routing weights.
         rows: Token rows (data contract).
-        settings: Selection settings.
+        settings: Selection settings (only read for the knock-out proxy).
         pad_id: Padding token id.
         micro_batch: Rows per forward pass.
 
     Returns:
-        One :func:`select_example` result per row, in order.
+        One :class:`RowScores` per row, in order.
     """
-    out: list[dict[str, Any]] = []
+    out: list[RowScores] = []
     for start in range(0, len(rows), micro_batch):
         chunk = rows[start:start + micro_batch]
         batch = pad_rows(chunk, pad_id)
@@ -269,8 +326,48 @@ def score_and_select_rows(
         knockout = (_knockout_batch(model, direction, chunk, routed, batch, settings)
                     if settings.prompt_proxy == "knockout_grad" else [None] * len(chunk))
         for row, (a, a_p, c), scores in zip(chunk, routed, knockout):
-            out.append(select_example(a, a_p, c, row, settings, prompt_scores=scores))
+            out.append(RowScores(np.asarray(a[int(row["prompt_len"]):], dtype=np.float32), a_p, c, scores))
     return out
+
+
+def full_utilities(scores: RowScores, n: int) -> np.ndarray:
+    """(n,) utilities with zeros on the prompt side (what :func:`select_example` takes)."""
+    utilities = np.zeros(n, dtype=np.float32)
+    utilities[n - len(scores.utilities):] = scores.utilities
+    return utilities
+
+
+def select_rows(rows: Sequence[Mapping[str, Any]], scores: Sequence[RowScores],
+                settings: SelectionSettings) -> list[dict[str, Any]]:
+    """:func:`select_example` for every row from its stored :class:`RowScores` (no model)."""
+    if len(rows) != len(scores):
+        raise ValueError(f"{len(rows)} rows but {len(scores)} score records")
+    return [select_example(full_utilities(s, len(row["input_ids"])), s.a_p, s.c, row, settings,
+                           prompt_scores=s.prompt_scores) for row, s in zip(rows, scores)]
+
+
+def score_and_select_rows(
+    model: torch.nn.Module,
+    direction: Mapping[str, torch.Tensor],
+    routing_layer: int,
+    rows: Sequence[Mapping[str, Any]],
+    settings: SelectionSettings,
+    *,
+    pad_id: int = 0,
+    micro_batch: int = 8,
+    score_dtype: str = "float32",
+) -> list[dict[str, Any]]:
+    """Scoring and per-example selection in one call (in memory): :func:`score_rows` then :func:`select_rows`.
+
+    The pipeline runs the two halves as separate stages (``bridge_score`` stores the scores in
+    ``bridge.score_dtype``, ``bridge_select`` reads them); with the same ``score_dtype`` this function returns the
+    same selection bit for bit.  ``float32`` (the default here) is the unquantized selection.
+
+    Returns:
+        One :func:`select_example` result per row, in order.
+    """
+    scores = score_rows(model, direction, routing_layer, rows, settings, pad_id=pad_id, micro_batch=micro_batch)
+    return select_rows(rows, [round_trip(s, score_dtype) for s in scores], settings)
 
 
 def _knockout_batch(model: torch.nn.Module, direction: Mapping[str, torch.Tensor], chunk: Sequence[Mapping[str, Any]],

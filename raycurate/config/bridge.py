@@ -36,6 +36,16 @@ class BridgeConfig:
         "paper: derivative of the S_r utility sum w.r.t. per-token attention key scales in every layer; one extra "
         "double-backward pass per micro-batch).", choices=("routing", "knockout_grad"),
     )
+    score_dtype: str = option(
+        "float16", "Storage dtype of bridge_score's per-row scores (utilities, routing weights, knock-out scores; "
+        "each row scaled by its max |x|). float32 stores them exactly: bridge_select then reproduces the unquantized "
+        "selection bit for bit, at twice the disk.", choices=("float16", "float32"),
+    )
+    select_actors: int | None = option(
+        None, "CPU actors of bridge_select (selection from the stored scores; no model). 0 selects in the driver "
+        "process; null: in the driver up to 20,000 rows (actor start-up costs more than the selection there), "
+        "else bridge_pool.num_actors actors. Does not change the selection.", ge=0,
+    )
     warmup_epochs: int = option(1, "Epochs of warmup SFT on the warmup split (theta_old -> theta_bar).", ge=0)
     validation_rows: int | None = option(None, "Cap on validation rows for g_target (null: the whole split).", ge=1)
     micro_batch: int = option(8, "Examples per forward JVP / attention pass inside a scoring actor.", ge=1)

@@ -2,7 +2,8 @@
 
 Stages after the shared data preparation:
 bridge_{warmup,validation,pool}_rows -> bridge_warmup (SFT, theta_old -> theta_bar) -> bridge_direction (v) ->
-bridge_select (Ray Data actors: utilities, routing, alternating selection, closure) -> bridge_compact ->
+bridge_score (model actors: utilities, routing; stored per row, keyed without the budgets) -> bridge_select (CPU
+actors: budgets, alternating selection, closure from the stored scores; keyed by the budgets) -> bridge_compact ->
 train_bridge (compact SFT from theta_old) -> eval_bridge; baselines at matched budgets (random, ...) ->
 train_<name> -> eval_<name>; bridge_diagnostics (fidelity table on a sample).
 """
@@ -38,7 +39,7 @@ def run_bridge_selection(run: Any, cfg: Any) -> dict[str, str]:
     Returns:
         ``{method: compacted token stage}``: ``bridge`` -> ``bridge_compact`` and one entry per baseline.
     """
-    from raycurate.stages.bridge import direction_stage, score_select_stage
+    from raycurate.stages.bridge import direction_stage, score_stage, select_stage
     from raycurate.stages.bridge_compact import baseline_masks_stage, compact_stage
     from raycurate.stages.data_stages import filter_tokens_stage
     from raycurate.stages.model_stages import train_stage
@@ -53,9 +54,12 @@ def run_bridge_selection(run: Any, cfg: Any) -> dict[str, str]:
                 train_cfg=warmup_cfg, force=forced(cfg, "bridge_warmup"))
     direction_stage(run, warmup_stage="bridge_warmup", base_stage="base_model",
                     validation_stage="bridge_validation_rows", bridge_cfg=bridge, force=forced(cfg, "bridge_direction"))
-    select = score_select_stage(run, tokens_stage="bridge_selection_rows", warmup_stage="bridge_warmup",
-                                direction_stage_name="bridge_direction", bridge_cfg=bridge, pool_cfg=cfg.bridge_pool,
-                                force=forced(cfg, "bridge_select"))
+    # Score once, select per budget: a budget change (rho_p, rho_r, schedule, closure) re-runs only bridge_select.
+    score_stage(run, tokens_stage="bridge_selection_rows", warmup_stage="bridge_warmup",
+                direction_stage_name="bridge_direction", bridge_cfg=bridge, pool_cfg=cfg.bridge_pool,
+                progress=cfg.run.progress, force=forced(cfg, "bridge_score"))
+    select = select_stage(run, score_stage_name="bridge_score", bridge_cfg=bridge, pool_cfg=cfg.bridge_pool,
+                          progress=cfg.run.progress, force=forced(cfg, "bridge_select"))
     log.info("bridge selection: %s", {k: v for k, v in select["metrics"].items() if not isinstance(v, dict)})
     methods = {"bridge": "bridge_compact"}
     compact_stage(run, "bridge_compact", selection_stage="bridge_select", mask_prefix="sel",

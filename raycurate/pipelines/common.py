@@ -39,7 +39,9 @@ def saved_config(cfg: Any) -> Any:
 
 def open_run(cfg: Any) -> RunDir:
     """Check the job's inputs, create ``<runs_dir>/<name>`` (for a storage URI: its local mirror, pulled from the
-    URI) holding its writer lock, save the resolved config (credentials redacted) and start Ray."""
+    URI) holding its writer lock, save the resolved config (credentials redacted), start Ray and configure Ray
+    Data (progress bars follow ``run.progress``)."""
+    from raycurate.stages.ray_data import configure_data_context
     from raycurate.stages.runtime import init_ray
 
     check_job_inputs(cfg)
@@ -47,6 +49,7 @@ def open_run(cfg: Any) -> RunDir:
     atomic_write_text(run.root / "config.yaml", dump_yaml(saved_config(cfg)))
     init_ray(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, temp_dir=cfg.ray.temp_dir,
              object_store_memory=cfg.ray.object_store_memory, spill_dir=cfg.ray.spill_dir)
+    configure_data_context(progress=cfg.run.progress)
     run.update_manifest(config_file="config.yaml", pipeline=cfg.pipeline)
     run.sync()
     return run

@@ -1,4 +1,4 @@
-"""BRIDGE stages: scoring direction (Ray task), fused score-and-select (Ray Data actors), compaction, diagnostics.
+"""BRIDGE stages: scoring direction (Ray task), scoring (model actors), selection (CPU actors from the stored scores).
 
 Warmup and final SFT reuse :func:`raycurate.stages.model_stages.train_stage`; split subsets reuse
 :func:`raycurate.stages.data_stages.filter_tokens_stage`.
@@ -136,11 +136,67 @@ def selection_table(batch: Any, results: list[dict]) -> Any:
     return out
 
 
+SCORE_COLUMNS = ("score_utility", "score_utility_scale", "score_routing", "score_routing_scale", "score_history",
+                 "score_history_scale", "score_prompt", "score_prompt_scale")
+
+
+def score_table(batch: Any, scores: list[Any], dtype: str) -> Any:
+    """Append the ``score_*`` columns of :data:`SCORE_COLUMNS` to a batch: per row the response-side utilities
+    (r,), the routing weights A_p flattened row-major (r * p), the history mass c (r,) and the optional knock-out
+    prompt scores (n,), each stored as ``list<dtype>`` with a float32 scale (:func:`raycurate.algorithms.bridge.
+    quantize`)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from raycurate.algorithms.bridge import quantize
+
+    value_type = pa.float16() if dtype == "float16" else pa.float32()
+    columns: dict[str, tuple[list, list]] = {name: ([], []) for name in ("utility", "routing", "history", "prompt")}
+    for s in scores:
+        for name, x in (("utility", s.utilities), ("routing", s.a_p), ("history", s.c), ("prompt", s.prompt_scores)):
+            values, scale = columns[name]
+            if x is None:
+                values.append(None)
+                scale.append(None)
+            else:
+                q, sc = quantize(np.ravel(x), dtype)
+                values.append(q)
+                scale.append(sc)
+    out = batch
+    for name, (values, scale) in columns.items():
+        out = out.append_column(f"score_{name}", pa.array(values, type=pa.list_(value_type)))
+        out = out.append_column(f"score_{name}_scale", pa.array(scale, type=pa.float32()))
+    return out
+
+
+def scores_from_table(table: Any) -> list[Any]:
+    """The :class:`raycurate.algorithms.bridge.RowScores` of every row of a table written by :func:`score_table`."""
+    from raycurate.algorithms.bridge import RowScores, dequantize
+
+    def column(name: str) -> list:
+        col = table[f"score_{name}"].combine_chunks()
+        flat = col.values.to_numpy(zero_copy_only=False, writable=True)  # one copy: torch wants writable
+        offsets = col.offsets.to_numpy()  # absolute into .values, slice offset applied
+        scales = table[f"score_{name}_scale"].to_pylist()
+        return [None if scale is None else dequantize(flat[offsets[i]:offsets[i + 1]], scale)
+                for i, scale in enumerate(scales)]
+
+    prompt_lens = table["prompt_len"].to_pylist()
+    utility, routing, history, prompt = (column(k) for k in ("utility", "routing", "history", "prompt"))
+    return [RowScores(u, a.reshape(len(u), int(p)), c, k)
+            for p, u, a, c, k in zip(prompt_lens, utility, routing, history, prompt)]
+
+
+SELECT_INPUT_COLUMNS = ["input_ids", "prompt_len", "loss_mask", "prompt_offsets", "response_offsets", "response",
+                        "domain"]
+
+
 class BridgeScoreUDF:
-    """Ray Data actor: token utilities + routing + coupled selection + closure for a batch of token rows."""
+    """Ray Data actor: token utilities + routing (+ knock-out prompt scores) for a batch of token rows; appends the
+    ``score_*`` columns (:func:`score_table`).  The only BRIDGE actor that holds a model."""
 
     def __init__(self, model_dir: str, direction_path: str, routing_layer: int | None, settings: Any,
-                 micro_batch: int, threads: int):
+                 micro_batch: int, threads: int, score_dtype: str = "float16"):
         import torch
         from safetensors.torch import load_file
 
@@ -157,46 +213,121 @@ class BridgeScoreUDF:
         self.pad_id = load_tokenizer(model_dir).pad_token_id or 0
         self.settings = settings
         self.micro_batch = micro_batch
+        self.score_dtype = score_dtype
 
     def __call__(self, batch: Any) -> Any:
-        from raycurate.algorithms.bridge import score_and_select_rows
+        from raycurate.algorithms.bridge import score_rows
 
-        rows = batch.select(["input_ids", "prompt_len", "loss_mask", "prompt_offsets", "response_offsets",
-                             "response", "domain"]).to_pylist()
-        results = score_and_select_rows(self.model, self.direction, self.layer, rows, self.settings,
-                                        pad_id=self.pad_id, micro_batch=self.micro_batch)
-        return selection_table(batch, results)
+        rows = batch.select(SELECT_INPUT_COLUMNS).to_pylist()
+        scores = score_rows(self.model, self.direction, self.layer, rows, self.settings, pad_id=self.pad_id,
+                            micro_batch=self.micro_batch)
+        return score_table(batch, scores, self.score_dtype)
 
 
-def score_select_stage(run: RunDir, *, tokens_stage: str, warmup_stage: str, direction_stage_name: str,
-                       bridge_cfg: Any, pool_cfg: ActorPoolConfig, force: bool = False) -> dict:
-    """Fused scoring and per-example selection on a fault-tolerant actor pool, in resumable shards
-    (:mod:`raycurate.stages.sharded`); writes ``selection/part-*.parquet`` (+ per-shard ``.done`` markers)."""
+class BridgeSelectUDF:
+    """Budgets, coupled selection and closure from the stored scores (CPU actor, or in the driver process); swaps
+    the ``score_*`` columns for the ``sel_*`` columns (:func:`selection_table`).  No model."""
+
+    def __init__(self, settings: Any):
+        self.settings = settings
+
+    def __call__(self, batch: Any) -> Any:
+        from raycurate.algorithms.bridge import select_rows
+
+        rows = batch.select(SELECT_INPUT_COLUMNS).to_pylist()
+        results = select_rows(rows, scores_from_table(batch), self.settings)
+        kept = batch.drop_columns([c for c in SCORE_COLUMNS if c in batch.column_names])
+        return selection_table(kept, results)
+
+
+#: Selection settings that change the knock-out prompt scores (they are conditioned on the routing S_r).
+KNOCKOUT_SCORE_FIELDS = ("rho_p", "rho_r", "schedule", "rounds", "fold_fixed_response")
+
+
+def score_config(bridge_cfg: Any) -> dict:
+    """What ``bridge_score``'s hash covers besides its upstream stages (data, theta_bar, and the direction, which
+    carries the scoring layers L and lambda): the routing layer, the prompt proxy and the storage dtype.  The
+    budgets only enter for ``prompt_proxy = knockout_grad``, whose prompt scores are conditioned on the routing
+    selection."""
+    config = {"routing_layer": bridge_cfg.routing_layer, "prompt_proxy": bridge_cfg.prompt_proxy,
+              "score_dtype": bridge_cfg.score_dtype}
+    if bridge_cfg.prompt_proxy == "knockout_grad":
+        config["knockout_conditioned_on"] = {k: getattr(bridge_cfg, k) for k in KNOCKOUT_SCORE_FIELDS}
+    return config
+
+
+def score_stage(run: RunDir, *, tokens_stage: str, warmup_stage: str, direction_stage_name: str, bridge_cfg: Any,
+                pool_cfg: ActorPoolConfig, progress: bool = True, force: bool = False) -> dict:
+    """``bridge_score``: the model pass (utilities, routing, optional knock-out scores) on a fault-tolerant actor
+    pool in resumable shards (:mod:`raycurate.stages.sharded`); writes ``scores/part-*.parquet`` (token columns +
+    ``score_*`` columns in ``bridge.score_dtype``).  Its hash ignores the budgets (:func:`score_config`), so a
+    budget change re-runs only ``bridge_select``."""
 
     tokens = output_path(run, tokens_stage, "tokens")
     model_dir = output_path(run, warmup_stage, "model")
     direction = output_path(run, direction_stage_name, "direction")
     settings = selection_settings(bridge_cfg)
+    if settings.prompt_proxy != "knockout_grad":  # the routing proxy's scores ignore the selection settings: keep
+        settings = type(settings)(prompt_proxy=settings.prompt_proxy)  # them out of the shard plan key (resume)
 
     def body(out: Path) -> StageOutput:
         from raycurate.stages.sharded import SHARDS_DIR, sharded_map
 
         pool = resolve_pool(pool_cfg)
-        scratch = scratch_dir(run, "bridge_select")  # finished shards survive a killed job
+        scratch = scratch_dir(run, "bridge_score")  # finished shards survive a killed job
         shard_metrics = sharded_map(str(tokens), scratch, BridgeScoreUDF, {
             "model_dir": str(model_dir), "direction_path": str(direction), "routing_layer": bridge_cfg.routing_layer,
             "settings": settings, "micro_batch": bridge_cfg.micro_batch,
-            "threads": max(1, int(round(pool.num_cpus))),
+            "threads": max(1, int(round(pool.num_cpus))), "score_dtype": bridge_cfg.score_dtype,
         }, shard_rows=pool_cfg.shard_rows, num_actors=pool.num_actors, num_cpus_per_actor=pool.num_cpus,
-            num_gpus_per_actor=pool.num_gpus, batch_rows=pool.batch_size)
+            num_gpus_per_actor=pool.num_gpus, batch_rows=pool.batch_size, progress=progress)
+        os.replace(scratch / SHARDS_DIR, out / "scores")
+        metrics = {"rows": shard_metrics["rows"], "rows_scored": shard_metrics["rows_computed"],
+                   "score_dtype": bridge_cfg.score_dtype,
+                   "score_bytes": sum(f.stat().st_size for f in (out / "scores").glob("*.parquet")),
+                   "shards": {k: v for k, v in shard_metrics.items() if not isinstance(v, (list, dict))}}
+        return StageOutput(outputs={"scores": "scores"}, metrics=metrics)
+
+    return run_stage(run, "bridge_score", body, config=score_config(bridge_cfg),
+                     upstream=[tokens_stage, warmup_stage, direction_stage_name], force=force)
+
+
+#: ``bridge.select_actors: null`` selects in the driver process up to this many rows: below it, starting CPU
+#: actors (a Python process importing torch each, ~5 s idle, far more on a loaded machine) costs more than the
+#: selection itself (~0.5-1 ms per example with closure).
+SELECT_IN_PROCESS_ROWS = 20_000
+
+
+def select_stage(run: RunDir, *, score_stage_name: str, bridge_cfg: Any, pool_cfg: ActorPoolConfig,
+                 progress: bool = True, force: bool = False) -> dict:
+    """``bridge_select``: per-example budgets, coupled selection and closure from ``bridge_score``'s stored scores
+    (no model, no GPU), in resumable shards, on CPU actors or in the driver process (``bridge.select_actors``);
+    writes ``selection/part-*.parquet`` (token columns + ``sel_*`` columns).  Keyed by the selection settings
+    (budgets, schedule, closure); where it runs does not change the output."""
+    scores = output_path(run, score_stage_name, "scores")
+    settings = selection_settings(bridge_cfg)
+
+    def body(out: Path) -> StageOutput:
+        from raycurate.stages.sharded import SHARDS_DIR, list_input_files, sharded_map
+
+        actors = bridge_cfg.select_actors
+        if actors is None:
+            rows = sum(f.rows for f in list_input_files(scores))
+            actors = 0 if rows <= SELECT_IN_PROCESS_ROWS else pool_cfg.num_actors
+        pool = resolve_pool(dataclasses.replace(pool_cfg, gpus_per_actor=0, num_actors=max(actors, 1)))
+        scratch = scratch_dir(run, "bridge_select")
+        shard_metrics = sharded_map(str(scores), scratch, BridgeSelectUDF, {"settings": settings},
+                                    shard_rows=pool_cfg.shard_rows, num_actors=pool.num_actors,
+                                    num_cpus_per_actor=pool.num_cpus, num_gpus_per_actor=0,
+                                    batch_rows=pool.batch_size, progress=progress, in_process=actors == 0)
         os.replace(scratch / SHARDS_DIR, out / "selection")
         metrics = selection_summary(out / "selection")
         metrics["shards"] = {k: v for k, v in shard_metrics.items() if not isinstance(v, (list, dict))}
+        metrics["select_actors"] = actors
         return StageOutput(outputs={"selection": "selection"}, metrics=metrics)
 
-    config = {"settings": dataclasses.asdict(settings), "routing_layer": bridge_cfg.routing_layer}
-    return run_stage(run, "bridge_select", body, config=config,
-                     upstream=[tokens_stage, warmup_stage, direction_stage_name], force=force)
+    return run_stage(run, "bridge_select", body, config={"settings": dataclasses.asdict(settings)},
+                     upstream=[score_stage_name], force=force)
 
 
 def selection_summary(selection_dir: Path) -> dict:

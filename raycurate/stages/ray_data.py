@@ -50,6 +50,16 @@ def resolve_pool(cfg: ActorPoolConfig, total_cpus: float | None = None,
     )
 
 
+def configure_data_context(*, progress: bool) -> Any:
+    """Driver-side Ray Data settings of a run: progress bars follow ``run.progress`` (Ray Data's own default is on,
+    which floods the logs of non-interactive jobs and Tune trials).  Returns the current ``DataContext``."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = bool(progress)
+    return ctx
+
+
 def map_with_actor_pool(ds: Any, udf: type, ctor_kwargs: dict, pool: PoolResources, **map_kwargs: Any) -> Any:
     """``ds.map_batches`` with a fixed-size actor pool of ``udf`` (pyarrow batches in and out).
 

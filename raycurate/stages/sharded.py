@@ -359,6 +359,7 @@ def sharded_map(
     max_task_retries: int = 3,
     batch_rows: int | None = None,
     progress: bool = True,
+    in_process: bool = False,
 ) -> dict:
     """Map ``udf_cls`` over a parquet input shard by shard on a Ray actor pool, resuming finished shards.
 
@@ -378,6 +379,9 @@ def sharded_map(
         max_task_retries: Retries of a shard task (after a crash or a UDF exception).
         batch_rows: Rows per UDF call inside a shard (None: the whole shard at once).
         progress: Show a progress bar over shards.
+        in_process: Run the shards one after another in this process (one UDF instance, no actors, Ray not
+            needed; same plan, markers, parts and resume).  For cheap CPU UDFs on inputs small enough that
+            starting worker processes (Python + torch imports) costs more than the map.
 
     Returns:
         Metrics: ``{shards, shards_skipped, shards_computed, rows, rows_computed, seconds, rows_per_s, plan,
@@ -390,9 +394,9 @@ def sharded_map(
     import ray
     from tqdm import tqdm
 
-    if num_actors < 1:
+    if num_actors < 1 and not in_process:
         raise ValueError(f"num_actors must be >= 1, got {num_actors}")
-    if not ray.is_initialized():
+    if not in_process and not ray.is_initialized():
         raise RuntimeError("sharded_map needs a running Ray: call raycurate.stages.runtime.init_ray() first")
     started = time.perf_counter()
     files = list_input_files(input_path)
@@ -402,18 +406,25 @@ def sharded_map(
     shards_dir = Path(out_dir) / SHARDS_DIR
     done = prepare_shards_dir(shards_dir, shards, key)
     todo = collections.deque(s for s in shards if s.index not in done)
-    log.info("sharded_map %s: %d rows, %d shards (%d done, %d to compute), %d actors x (%.2f CPU, %.2f GPU)",
-             udf_cls.__name__, total_rows, len(shards), len(done), len(todo), num_actors, num_cpus_per_actor,
-             num_gpus_per_actor)
+    log.info("sharded_map %s: %d rows, %d shards (%d done, %d to compute), %s", udf_cls.__name__, total_rows,
+             len(shards), len(done), len(todo), "in process" if in_process else
+             f"{num_actors} actors x ({num_cpus_per_actor:.2f} CPU, {num_gpus_per_actor:.2f} GPU)")
 
-    actor_cls = ray.remote(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor, max_restarts=max_restarts,
-                           max_task_retries=max_task_retries)(ShardWorker)
-    actors = [actor_cls.remote(udf_cls, ctor_kwargs, files, str(shards_dir), key, batch_rows)
-              for _ in range(min(num_actors, max(len(todo), 1)))] if todo else []
     bar = tqdm(total=len(shards), initial=len(done), desc=f"{udf_cls.__name__} shards", unit="shard",
                disable=not progress)
+    actors: list = []
     try:
-        _run_pool(actors, todo, bar)
+        if in_process:
+            worker = ShardWorker(udf_cls, ctor_kwargs, files, str(shards_dir), key, batch_rows) if todo else None
+            while todo:
+                worker.process(todo.popleft())
+                bar.update(1)
+        else:
+            actor_cls = ray.remote(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor,
+                                   max_restarts=max_restarts, max_task_retries=max_task_retries)(ShardWorker)
+            actors = [actor_cls.remote(udf_cls, ctor_kwargs, files, str(shards_dir), key, batch_rows)
+                      for _ in range(min(num_actors, max(len(todo), 1)))] if todo else []
+            _run_pool(actors, todo, bar)
     finally:
         bar.close()
         for actor in actors:
