@@ -416,8 +416,8 @@ def bridge_select(data: Any, *, model: str | None = None, rho_p: float | None = 
         of the compacted table).  :func:`train` on it fits the compacted rows (``.tokens``: stage
         ``bridge_compact``, kept prompt tokens only, unselected responses masked).
     """
-    # When the BRIDGE stage is split into bridge_score (budget-free scores, cached) + bridge_select (budgets), this
-    # call keeps its signature: run_bridge_selection switches stages and a new budget re-runs only the selection.
+    # bridge_score (budget-free, cached in the workspace) then bridge_select: another budget in the same workspace
+    # re-runs only the selection (and compaction), not the model.
     from raycurate.pipelines.bridge import run_bridge_selection
 
     defaults = {"bridge.baselines": [], "bridge.diagnostics_rows": 0}

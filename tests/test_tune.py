@@ -69,8 +69,8 @@ def test_bridge_budget_sweep_trials_share_one_scoring_pass():
     import dataclasses
     import itertools
 
-    from raycurate.config.sweep import job_path, load_sweep
     from raycurate.config.loader import config_hash
+    from raycurate.config.sweep import job_path, load_sweep
     from raycurate.pipelines.sweep import job_config, trial_overrides
     from raycurate.stages.bridge import score_config, selection_settings
 

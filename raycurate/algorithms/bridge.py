@@ -3,8 +3,8 @@
 The scoring actor calls :func:`score_rows` on a batch of token rows (the model's part: utilities, routing, the
 optional knock-out scores); the selection actor calls :func:`select_rows` on the stored scores (budgets, coupled
 selection, closure; no model).  :func:`score_and_select_rows` chains both in memory.  Everything here is pure
-torch / numpy (the model is an argument), so the row logic runs and is tested without Ray.  The O(p r) interaction matrix
-lives only inside :func:`select_example`.
+torch / numpy (the model is an argument), so the row logic runs and is tested without Ray.  The O(p r)
+interaction matrix lives only inside :func:`select_example`.
 """
 
 from __future__ import annotations
