@@ -573,10 +573,9 @@ def train(data: Any, *, model: str | None = None, epochs: int | None = None, lr:
         method = data.method if isinstance(data, Result) else "all"
         stage = name or ("train" if method == "all" else f"train_{method}")
         spec = (data.adapter if isinstance(data, Result) else None) if adapter is _AUTO else adapter
-        from raycurate.pipelines.common import forced
-
+        
         train_stage(prep.run, stage, tokens_stage=prep.tokens_stage, init_stage="base_model",
-                    train_cfg=prep.cfg.train, adapter=spec, force=forced(prep.cfg, stage))
+                    train_cfg=prep.cfg.train, adapter=spec)
         return _result(prep, stage, "model")
 
 
@@ -604,8 +603,7 @@ def evaluate(model: Any, heldout: Any, *, name: str | None = None, workdir: str 
         ``exact_match``, ``gold_loss``, ``answer_format_rate``, ``unsafe_rate``, ``equation_accuracy`` (and
         ``sampled_exact_match`` / ``sampled_unsafe_rate``).
     """
-    from raycurate.pipelines.common import forced
-    from raycurate.stages.model_stages import evaluate_stage
+        from raycurate.stages.model_stages import evaluate_stage
     from raycurate.stages.tables import external_model_stage, heldout_stage, source_rows
 
     chained = isinstance(model, Result)
@@ -625,10 +623,9 @@ def evaluate(model: Any, heldout: Any, *, name: str | None = None, workdir: str 
             model_stage = model.stage
         else:
             model_stage = "external_model"
-            external_model_stage(run, model_stage, model.model_dir if chained else model,
-                                 force=forced(cfg, model_stage))
-        heldout_stage(run, "heldout", rows, force=forced(cfg, "heldout"))
+            external_model_stage(run, model_stage, model.model_dir if chained else model)
+        heldout_stage(run, "heldout", rows)
         stage = name or ("eval" if model_stage == "train" else f"eval_{model_stage.removeprefix('train_')}")
         evaluate_stage(run, stage, model_stage=model_stage, heldout_stage="heldout", eval_cfg=cfg.eval,
-                       max_length=cfg.data.max_length, force=forced(cfg, stage))
+                       max_length=cfg.data.max_length)
         return _result(prep, stage, "predictions")

@@ -34,7 +34,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from raycurate import storage
 from raycurate.errors import UserError
@@ -252,8 +252,17 @@ class RunDir:
             acquire_lock(self.root)
             remove_stale_temps(self.root)
         self.remote = None if remote is None else storage.Location.parse(remote).checked()
+        self.forced_stages: frozenset[str] = frozenset()
         if self.remote is not None:
             self._pull()
+
+    def force(self, stages: Iterable[str]) -> None:
+        """Re-run these stages even when their outputs are current (``run.force``; ``all`` = every stage)."""
+        self.forced_stages = frozenset(stages)
+
+    def is_forced(self, stage: str) -> bool:
+        """Whether ``stage`` must re-run because the user forced it (``run.force=[stage]`` or ``[all]``)."""
+        return "all" in self.forced_stages or stage in self.forced_stages
 
     @property
     def manifest_path(self) -> Path:

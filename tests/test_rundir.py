@@ -127,3 +127,18 @@ def test_recorded_links_may_point_outside_but_recorded_paths_may_not_escape(tmp_
     assert run.path_of("base_model/model") == run.root / "base_model" / "model"
     with pytest.raises(RunDirError, match="outside the run directory"):
         run.path_of("../cache/model")
+
+
+def test_forced_stages_rerun_with_their_downstream(tmp_path):
+    """``run.force`` (the job's ``run.force``) re-runs a current stage and what reads it; ``all`` re-runs all."""
+    run = RunDir(tmp_path / "run")
+    calls: list[str] = []
+    cfg = {"a": 1, "b": 1, "c": 1}
+    _pipeline(run, calls, cfg)
+    run.force(["b"])
+    assert run.is_forced("b") and not run.is_forced("a")
+    _pipeline(run, calls, cfg)
+    assert calls == ["a", "b", "c", "b", "c"]
+    run.force(["all"])
+    _pipeline(run, calls, cfg)
+    assert calls[5:] == ["a", "b", "c"]

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 from typing import Any
 
-from raycurate.pipelines.common import forced
 
 log = logging.getLogger("raycurate")
 
@@ -55,17 +54,15 @@ def split_rows(run: Any, cfg: Any) -> bool:
 
     filter_tokens_stage(run, "bilevel_validation_rows", tokens_stage="tokenize",
                         description=f"split == {bilevel.validation_split}" + (" and clean" if clean_only else ""),
-                        keep=validation, config={"split": bilevel.validation_split, "clean_only": clean_only},
-                        force=forced(cfg, "bilevel_validation_rows"))
+                        keep=validation, config={"split": bilevel.validation_split, "clean_only": clean_only})
     filter_tokens_stage(run, "bilevel_candidate_rows", tokens_stage="tokenize",
                         description=f"split == {bilevel.candidate_split}"
                         + (f", minus {len(dropped)} near-duplicates" if dropped else ""), keep=candidates,
-                        config={"split": bilevel.candidate_split, **({"dropped": dropped} if dropped else {})},
-                        force=forced(cfg, "bilevel_candidate_rows"))
+                        config={"split": bilevel.candidate_split, **({"dropped": dropped} if dropped else {})})
     if labelled:
         filter_tokens_stage(run, "bilevel_clean_candidates", tokens_stage="tokenize",
                             description=f"split == {bilevel.candidate_split} and clean", keep=clean_candidates,
-                            config={"split": bilevel.candidate_split}, force=forced(cfg, "bilevel_clean_candidates"))
+                            config={"split": bilevel.candidate_split})
     return labelled
 
 
@@ -81,7 +78,7 @@ def near_duplicates(run: Any, cfg: Any) -> list[str]:
                          "similarity), or be null to keep every candidate")
     dedup_stage(run, "bilevel_dedup", tokens_stage="tokenize", split_column="split",
                 reference_split=bilevel.validation_split, candidate_split=bilevel.candidate_split,
-                threshold=bilevel.dedup_threshold, seed=bilevel.seed, force=forced(cfg, "bilevel_dedup"))
+                threshold=bilevel.dedup_threshold, seed=bilevel.seed)
     return flagged_ids(run, "bilevel_dedup")
 
 
@@ -106,13 +103,12 @@ def selection_ids(run: Any, cfg: Any, method: str) -> list[str]:
     if method == "dsir":
         dsir_select_stage(run, stage, candidate_stage="bilevel_candidate_rows",
                           validation_stage="bilevel_validation_rows", fraction=bilevel.select_fraction,
-                          buckets=bilevel.dsir_buckets, seed=bilevel.seed, force=forced(cfg, stage))
+                          buckets=bilevel.dsir_buckets, seed=bilevel.seed)
     else:
         less_select_stage(run, stage, candidate_stage="bilevel_candidate_rows",
                           validation_stage="bilevel_validation_rows", base_stage="base_model",
                           fraction=bilevel.select_fraction, lora_r=bilevel.lora_r, lora_alpha=bilevel.lora_alpha,
-                          dim=bilevel.less_dim, warmup_fraction=bilevel.less_warmup_fraction, seed=bilevel.seed,
-                          force=forced(cfg, stage))
+                          dim=bilevel.less_dim, warmup_fraction=bilevel.less_warmup_fraction, seed=bilevel.seed)
     return selected_ids(run, stage)
 
 
@@ -126,7 +122,7 @@ def train_method(run: Any, cfg: Any, method: str, train_cfg: Any) -> str:
     if method in ("bds", "online"):
         bds_stage(run, stage, candidate_stage="bilevel_candidate_rows", validation_stage="bilevel_validation_rows",
                   base_stage="base_model", train_cfg=train_cfg, bilevel=bilevel, adapter=adapter,
-                  online=method == "online", force=forced(cfg, stage))
+                  online=method == "online")
         return stage
     if method.startswith("mix_"):
         rho, ids, description = float(method.removeprefix("mix_")), None, f"direct mixing rho={method[4:]}"
@@ -135,9 +131,8 @@ def train_method(run: Any, cfg: Any, method: str, train_cfg: Any) -> str:
     rows = f"bilevel_{method}_rows"
     weighted_union_stage(run, rows, candidate_stage="bilevel_candidate_rows",
                          validation_stage="bilevel_validation_rows", rho=rho, candidate_ids=ids,
-                         description=description, force=forced(cfg, rows))
-    train_stage(run, stage, tokens_stage=rows, init_stage="base_model", train_cfg=train_cfg, adapter=adapter,
-                force=forced(cfg, stage))
+                         description=description)
+    train_stage(run, stage, tokens_stage=rows, init_stage="base_model", train_cfg=train_cfg, adapter=adapter)
     return stage
 
 
@@ -180,13 +175,11 @@ def run_bilevel_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
         losses: dict[str, float] = {}
         if evaluate:
             record = evaluate_stage(run, f"eval_{name}", model_stage=model_stage, heldout_stage="corpus",
-                                    eval_cfg=cfg.eval, max_length=cfg.data.max_length,
-                                    force=forced(cfg, f"eval_{name}"))
+                                    eval_cfg=cfg.eval, max_length=cfg.data.max_length)
             results[name] = record["metrics"]
             losses["validation_loss"] = record["metrics"]["gold_loss"]  # upper level: held-out trusted data
         lower = "bilevel_clean_candidates" if labelled else "bilevel_candidate_rows"
-        losses["train_loss"] = loss_eval_stage(run, f"loss_{name}", model_stage=model_stage, tokens_stage=lower,
-                                               force=forced(cfg, f"loss_{name}"))["metrics"]["loss"]
+        losses["train_loss"] = loss_eval_stage(run, f"loss_{name}", model_stage=model_stage, tokens_stage=lower)["metrics"]["loss"]
         summary["losses"][method] = losses
         if method in ("bds", "online"):
             info = weight_analysis(run, model_stage, "bilevel_candidate_rows")

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 from typing import Any
 
-from raycurate.pipelines.common import forced
 
 log = logging.getLogger("raycurate")
 
@@ -47,36 +46,32 @@ def run_bridge_selection(run: Any, cfg: Any) -> dict[str, str]:
     bridge = cfg.bridge
     for split in ("warmup", "validation", "selection"):
         filter_tokens_stage(run, f"bridge_{split}_rows", tokens_stage="tokenize", description=f"split == {split}",
-                            keep=split_equals(split), config={"split": split},
-                            force=forced(cfg, f"bridge_{split}_rows"))
+                            keep=split_equals(split), config={"split": split})
     warmup_cfg = dataclasses.replace(cfg.train, epochs=bridge.warmup_epochs, max_steps=None)
     train_stage(run, "bridge_warmup", tokens_stage="bridge_warmup_rows", init_stage="base_model",
-                train_cfg=warmup_cfg, force=forced(cfg, "bridge_warmup"))
+                train_cfg=warmup_cfg)
     direction_stage(run, warmup_stage="bridge_warmup", base_stage="base_model",
-                    validation_stage="bridge_validation_rows", bridge_cfg=bridge, force=forced(cfg, "bridge_direction"))
+                    validation_stage="bridge_validation_rows", bridge_cfg=bridge)
     # Score once, select per budget: a budget change (rho_p, rho_r, schedule, closure) re-runs only bridge_select.
     score_stage(run, tokens_stage="bridge_selection_rows", warmup_stage="bridge_warmup",
                 direction_stage_name="bridge_direction", bridge_cfg=bridge, pool_cfg=cfg.bridge_pool,
-                progress=cfg.run.progress, force=forced(cfg, "bridge_score"))
+                progress=cfg.run.progress)
     select = select_stage(run, score_stage_name="bridge_score", bridge_cfg=bridge, pool_cfg=cfg.bridge_pool,
-                          progress=cfg.run.progress, force=forced(cfg, "bridge_select"))
+                          progress=cfg.run.progress)
     log.info("bridge selection: %s", {k: v for k, v in select["metrics"].items() if not isinstance(v, dict)})
     methods = {"bridge": "bridge_compact"}
-    compact_stage(run, "bridge_compact", selection_stage="bridge_select", mask_prefix="sel",
-                  force=forced(cfg, "bridge_compact"))
+    compact_stage(run, "bridge_compact", selection_stage="bridge_select", mask_prefix="sel")
     for name in bridge.baselines:
         baseline_masks_stage(run, f"baseline_{name}_masks", method=name, selection_stage="bridge_select",
                              warmup_stage="bridge_warmup", base_stage="base_model", bridge_cfg=bridge,
-                             pool_cfg=cfg.bridge_pool, force=forced(cfg, f"baseline_{name}_masks"))
-        compact_stage(run, f"baseline_{name}_compact", selection_stage=f"baseline_{name}_masks", mask_prefix=name,
-                      force=forced(cfg, f"baseline_{name}_compact"))
+                             pool_cfg=cfg.bridge_pool)
+        compact_stage(run, f"baseline_{name}_compact", selection_stage=f"baseline_{name}_masks", mask_prefix=name)
         methods[name] = f"baseline_{name}_compact"
     if bridge.diagnostics_rows > 0:
         from raycurate.stages.bridge_diagnostics import diagnostics_stage
 
         diagnostics_stage(run, selection_stage="bridge_select", warmup_stage="bridge_warmup",
-                          direction_stage_name="bridge_direction", bridge_cfg=bridge,
-                          force=forced(cfg, "bridge_diagnostics"))
+                          direction_stage_name="bridge_direction", bridge_cfg=bridge)
     return methods
 
 
@@ -87,12 +82,10 @@ def run_bridge_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
     methods = run_bridge_selection(run, cfg)
     results: dict[str, dict] = {}
     for name, tokens_stage in methods.items():
-        train_stage(run, f"train_{name}", tokens_stage=tokens_stage, init_stage="base_model", train_cfg=cfg.train,
-                    force=forced(cfg, f"train_{name}"))
+        train_stage(run, f"train_{name}", tokens_stage=tokens_stage, init_stage="base_model", train_cfg=cfg.train)
         if evaluate:
             record = evaluate_stage(run, f"eval_{name}", model_stage=f"train_{name}", heldout_stage="corpus",
-                                    eval_cfg=cfg.eval, max_length=cfg.data.max_length,
-                                    force=forced(cfg, f"eval_{name}"))
+                                    eval_cfg=cfg.eval, max_length=cfg.data.max_length)
             results[name] = record["metrics"]
     return results
 

@@ -46,6 +46,7 @@ def open_run(cfg: Any) -> RunDir:
 
     check_job_inputs(cfg)
     run = open_run_dir(cfg.run.runs_dir, cfg.run.name, cfg.run.local_dir)
+    run.force(cfg.run.force)
     atomic_write_text(run.root / "config.yaml", dump_yaml(saved_config(cfg)))
     init_ray(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, temp_dir=cfg.ray.temp_dir,
              object_store_memory=cfg.ray.object_store_memory, spill_dir=cfg.ray.spill_dir)
@@ -53,11 +54,6 @@ def open_run(cfg: Any) -> RunDir:
     run.update_manifest(config_file="config.yaml", pipeline=cfg.pipeline)
     run.sync()
     return run
-
-
-def forced(cfg: Any, stage: str) -> bool:
-    """Whether the user asked to re-run ``stage`` (``run.force=[stage]`` or ``[all]``)."""
-    return "all" in cfg.run.force or stage in cfg.run.force
 
 
 def prepare_data(run: RunDir, cfg: Any) -> dict:
@@ -77,23 +73,20 @@ def prepare_data(run: RunDir, cfg: Any) -> dict:
     else:
         records["corpus"] = corpus_stage(
             run, rows=cfg.data.corpus_rows, seed=cfg.data.corpus_seed, corrupt_fraction=cfg.data.corrupt_fraction,
-            heldout_rows=cfg.data.heldout_rows, bad_lines=cfg.data.corpus_bad_lines, force=forced(cfg, "corpus"),
+            heldout_rows=cfg.data.heldout_rows, bad_lines=cfg.data.corpus_bad_lines,
         )
         inputs = [str(run.root / records["corpus"]["outputs"]["corpus"])]
         upstream = ["corpus"]
     # ingest first: data that is all rejected fails before a base model is pre-trained
-    records["ingest"] = ingest_stage(run, inputs, cfg.data, upstream=upstream, progress=cfg.run.progress,
-                                     force=forced(cfg, "ingest"))
+    records["ingest"] = ingest_stage(run, inputs, cfg.data, upstream=upstream, progress=cfg.run.progress)
     model = cfg.model
     records["base_model"] = base_model_stage(
         run, model,
         pretrain_texts=lambda: generate_pretraining_texts(model.pretrain_rows, seed=model.pretrain_seed),
         data_key=f"embedded-pretrain-v1-{model.pretrain_rows}-{model.pretrain_seed}",
-        force=forced(cfg, "base_model"),
     )
     records["tokenize"] = tokenize_stage(run, accepted_stage="ingest", tokenizer_stage="base_model",
-                                         max_length=cfg.data.max_length, pool_cfg=cfg.tokenize,
-                                         force=forced(cfg, "tokenize"))
+                                         max_length=cfg.data.max_length, pool_cfg=cfg.tokenize)
     record_row_accounting(run, records["ingest"], records["tokenize"])
     return records
 
@@ -141,7 +134,7 @@ def lm_eval_models(run: RunDir, cfg: Any, model_stages: dict[str, str]) -> dict:
                                tasks=cfg.eval.lm_eval_tasks, num_fewshot=cfg.eval.lm_eval_num_fewshot,
                                limit=cfg.eval.lm_eval_limit, max_gen_toks=cfg.eval.max_new_tokens,
                                domain=cfg.eval.lm_eval_domain,
-                               allow_code_execution=cfg.eval.lm_eval_allow_code_execution, force=forced(cfg, stage))
+                               allow_code_execution=cfg.eval.lm_eval_allow_code_execution)
         results[name] = record["metrics"]
     manifest_results = run.load_manifest().get("results") or {}
     run.update_manifest(results={**manifest_results, "lm_eval": {**manifest_results.get("lm_eval", {}), **results}})

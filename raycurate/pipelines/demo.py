@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from raycurate.pipelines.common import forced, lm_eval_models, open_run, prepare_data, record_heldout
+from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout
 from raycurate.pipelines.sft import write_report
 from raycurate.report.curation import record_curation
 
@@ -42,16 +42,14 @@ def run_demo(cfg: Any) -> dict:
     variants = [("base", "base_model")]
     if "sft" in cfg.demo.methods:
         filter_tokens_stage(run, "subset_clean", tokens_stage="tokenize", description="label.clean == true",
-                            keep=clean_rows, config={"filter": "label.clean"}, force=forced(cfg, "subset_clean"))
+                            keep=clean_rows, config={"filter": "label.clean"})
         for variant, tokens in (("mixed", "tokenize"), ("clean", "subset_clean")):
-            train_stage(run, f"train_{variant}", tokens_stage=tokens, init_stage="base_model", train_cfg=cfg.train,
-                        force=forced(cfg, f"train_{variant}"))
+            train_stage(run, f"train_{variant}", tokens_stage=tokens, init_stage="base_model", train_cfg=cfg.train)
             variants.append((variant, f"train_{variant}"))
     results = {}
     for variant, model_stage in variants:
         record = evaluate_stage(run, f"eval_{variant}", model_stage=model_stage, heldout_stage="corpus",
-                                eval_cfg=cfg.eval, max_length=cfg.data.max_length,
-                                force=forced(cfg, f"eval_{variant}"))
+                                eval_cfg=cfg.eval, max_length=cfg.data.max_length)
         results[variant] = record["metrics"]
     if "bridge" in cfg.demo.methods:
         from raycurate.pipelines.bridge import run_bridge_stages

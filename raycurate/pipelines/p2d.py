@@ -14,7 +14,6 @@ import dataclasses
 import logging
 from typing import Any
 
-from raycurate.pipelines.common import forced
 
 log = logging.getLogger("raycurate")
 
@@ -53,7 +52,7 @@ def pool_stage(run: Any, cfg: Any) -> str:
 
     split = cfg.p2d.pool_split
     filter_tokens_stage(run, "p2d_pool_rows", tokens_stage="tokenize", description=f"split == {split}",
-                        keep=split_equals(split), config={"split": split}, force=forced(cfg, "p2d_pool_rows"))
+                        keep=split_equals(split), config={"split": split})
     return "p2d_pool_rows"
 
 
@@ -72,13 +71,12 @@ def run_p2d_heads(run: Any, cfg: Any) -> str:
         pool_ids = token_ids(run, pool)
         proxy_ids = seeded_sample(pool_ids, min(p2d.proxy_examples, len(pool_ids)), p2d.seed)
         ids_subset_stage(run, "p2d_proxy_rows", tokens_stage=pool, ids=proxy_ids,
-                         description=f"{len(proxy_ids)} seeded proxy examples", force=forced(cfg, "p2d_proxy_rows"))
+                         description=f"{len(proxy_ids)} seeded proxy examples")
         proxy_cfg = full_batch_train_config(cfg.train, len(proxy_ids), p2d.proxy_steps, p2d.proxy_lr)
-        train_stage(run, "p2d_proxy", tokens_stage="p2d_proxy_rows", init_stage="base_model", train_cfg=proxy_cfg,
-                    force=forced(cfg, "p2d_proxy"))
+        train_stage(run, "p2d_proxy", tokens_stage="p2d_proxy_rows", init_stage="base_model", train_cfg=proxy_cfg)
         proxy_stage = "p2d_proxy"
     heads = heads_stage(run, "p2d_heads", base_stage="base_model", proxy_stage=proxy_stage,
-                        task_model=p2d.task_model, p2d_cfg=p2d, force=forced(cfg, "p2d_heads"))
+                        task_model=p2d.task_model, p2d_cfg=p2d)
     log.info("p2d heads: %s", heads["metrics"].get("selected_heads"))
     return pool
 
@@ -99,23 +97,20 @@ def run_p2d_selection(run: Any, cfg: Any) -> None:
     pool = run_p2d_heads(run, cfg)
     pool_ids = token_ids(run, pool)
     probe_stage(run, "p2d_probe", pool_stage=pool, base_stage="base_model", heads_stage_name="p2d_heads",
-                p2d_cfg=p2d, pool_cfg=cfg.p2d_pool, max_new_tokens=cfg.eval.max_new_tokens,
-                force=forced(cfg, "p2d_probe"))
-    select = select_stage(run, "p2d_select", pool_stage=pool, probe_stage_name="p2d_probe", p2d_cfg=p2d,
-                          force=forced(cfg, "p2d_select"))
+                p2d_cfg=p2d, pool_cfg=cfg.p2d_pool, max_new_tokens=cfg.eval.max_new_tokens)
+    select = select_stage(run, "p2d_select", pool_stage=pool, probe_stage_name="p2d_probe", p2d_cfg=p2d)
     log.info("p2d selection: %s", select["metrics"])
     chosen = selected_ids(run, "p2d_select")
-    ids_subset_stage(run, "p2d_rows", tokens_stage=pool, ids=chosen, description="P2D selection",
-                     force=forced(cfg, "p2d_rows"))
+    ids_subset_stage(run, "p2d_rows", tokens_stage=pool, ids=chosen, description="P2D selection")
     if "random_data" in p2d.baselines:
         ids_subset_stage(run, "p2d_random_rows", tokens_stage=pool,
                          ids=seeded_sample(pool_ids, len(chosen), p2d.seed + 1),
-                         description="random data at the P2D ratio", force=forced(cfg, "p2d_random_rows"))
+                         description="random data at the P2D ratio")
     if "ifd" in p2d.baselines:
         ifd_select_stage(run, "p2d_ifd", pool_stage=pool, base_stage="base_model", ratio=p2d.data_ratio,
-                         pool_cfg=cfg.p2d_pool, force=forced(cfg, "p2d_ifd"))
+                         pool_cfg=cfg.p2d_pool)
         ids_subset_stage(run, "p2d_ifd_rows", tokens_stage=pool, ids=selected_ids(run, "p2d_ifd"),
-                         description="IFD top rho_D", force=forced(cfg, "p2d_ifd_rows"))
+                         description="IFD top rho_D")
 
 
 def run_p2d_stages(run: Any, cfg: Any, *, evaluate: bool, full_sft_stage: str | None = None) -> dict:
@@ -130,11 +125,11 @@ def run_p2d_stages(run: Any, cfg: Any, *, evaluate: bool, full_sft_stage: str | 
         stage = "train_p2d" if name == "p2d" else f"train_p2d_{name}"
         variant_cfg = cfg.train if name == "full_data" else train_cfg
         train_stage(run, stage, tokens_stage=tokens, init_stage="base_model", train_cfg=variant_cfg,
-                    adapter=adapter, extra_upstream=extra, force=forced(cfg, stage))
+                    adapter=adapter, extra_upstream=extra)
         if evaluate:
             eval_name = stage.replace("train_", "eval_", 1)
             record = evaluate_stage(run, eval_name, model_stage=stage, heldout_stage="corpus", eval_cfg=cfg.eval,
-                                    max_length=cfg.data.max_length, force=forced(cfg, eval_name))
+                                    max_length=cfg.data.max_length)
             results[stage.replace("train_", "", 1)] = record["metrics"]
     full = "train_p2d_full_data" if "full_data" in cfg.p2d.baselines else full_sft_stage
     if full is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raycurate.pipelines.common import forced, open_run, prepare_data
+from raycurate.pipelines.common import open_run, prepare_data
 
 
 def run_sft_pipeline(cfg: Any) -> dict:
@@ -13,11 +13,10 @@ def run_sft_pipeline(cfg: Any) -> dict:
 
     run = open_run(cfg)
     records = prepare_data(run, cfg)
-    train_stage(run, "train", tokens_stage="tokenize", init_stage="base_model", train_cfg=cfg.train,
-                force=forced(cfg, "train"))
+    train_stage(run, "train", tokens_stage="tokenize", init_stage="base_model", train_cfg=cfg.train)
     if "corpus" in records:
         evaluate_stage(run, "eval", model_stage="train", heldout_stage="corpus", eval_cfg=cfg.eval,
-                       max_length=cfg.data.max_length, force=forced(cfg, "eval"))
+                       max_length=cfg.data.max_length)
     write_report(run)
     return run.load_manifest()
 

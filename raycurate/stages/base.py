@@ -103,7 +103,7 @@ def run_stage(
         fn: Writes outputs into the folder it is given and describes them.
         config: Everything that changes the stage's result (config sections, plain values).
         upstream: Stages whose outputs ``fn`` reads.
-        force: Re-run even when current.
+        force: Re-run even when current (also when ``run.is_forced(stage)``: the job's ``run.force``).
 
     Returns:
         The stage's manifest record: ``{status, seconds, config_hash, outputs, metrics, ...}``; ``outputs`` paths
@@ -111,7 +111,7 @@ def run_stage(
     """
     upstream = list(upstream)
     digest = stage_hash(run, config, upstream)
-    if not force and run.stage_is_current(stage, digest, upstream):
+    if not (force or run.is_forced(stage)) and run.stage_is_current(stage, digest, upstream):
         log.info("stage %-14s skipped (outputs current, hash %s)", stage, digest)
         record = run.stage_record(stage)
         assert record is not None
