@@ -573,7 +573,6 @@ def train(data: Any, *, model: str | None = None, epochs: int | None = None, lr:
         method = data.method if isinstance(data, Result) else "all"
         stage = name or ("train" if method == "all" else f"train_{method}")
         spec = (data.adapter if isinstance(data, Result) else None) if adapter is _AUTO else adapter
-        
         train_stage(prep.run, stage, tokens_stage=prep.tokens_stage, init_stage="base_model",
                     train_cfg=prep.cfg.train, adapter=spec)
         return _result(prep, stage, "model")
@@ -603,7 +602,7 @@ def evaluate(model: Any, heldout: Any, *, name: str | None = None, workdir: str 
         ``exact_match``, ``gold_loss``, ``answer_format_rate``, ``unsafe_rate``, ``equation_accuracy`` (and
         ``sampled_exact_match`` / ``sampled_unsafe_rate``).
     """
-        from raycurate.stages.model_stages import evaluate_stage
+    from raycurate.stages.model_stages import evaluate_stage
     from raycurate.stages.tables import external_model_stage, heldout_stage, source_rows
 
     chained = isinstance(model, Result)

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 from typing import Any
 
-
 log = logging.getLogger("raycurate")
 
 
@@ -179,7 +178,8 @@ def run_bilevel_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
             results[name] = record["metrics"]
             losses["validation_loss"] = record["metrics"]["gold_loss"]  # upper level: held-out trusted data
         lower = "bilevel_clean_candidates" if labelled else "bilevel_candidate_rows"
-        losses["train_loss"] = loss_eval_stage(run, f"loss_{name}", model_stage=model_stage, tokens_stage=lower)["metrics"]["loss"]
+        loss_record = loss_eval_stage(run, f"loss_{name}", model_stage=model_stage, tokens_stage=lower)
+        losses["train_loss"] = loss_record["metrics"]["loss"]
         summary["losses"][method] = losses
         if method in ("bds", "online"):
             info = weight_analysis(run, model_stage, "bilevel_candidate_rows")

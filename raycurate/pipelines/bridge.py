@@ -14,7 +14,6 @@ import dataclasses
 import logging
 from typing import Any
 
-
 log = logging.getLogger("raycurate")
 
 

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 from typing import Any
 
-
 log = logging.getLogger("raycurate")
 
 SELECTION_STAGES = ["p2d_proxy_rows", "p2d_proxy", "p2d_heads", "p2d_probe", "p2d_select"]
