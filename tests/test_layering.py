@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "raycurate"
 
 # For each layer, the top-level modules it must never import.
@@ -60,25 +62,15 @@ def test_layers_import_downward_only():
     assert not problems, "layering violations:\n" + "\n".join(problems)
 
 
-def test_algorithm_modules_import_no_ray_at_runtime():
-    modules = sorted(p.stem for p in (PACKAGE / "algorithms").glob("*.py") if p.stem != "__init__")
-    assert modules, "no algorithm modules found"
+@pytest.mark.parametrize("layer, heavy", [("algorithms", ("ray", "deepspeed")), ("training", ("ray",))])
+def test_layer_modules_import_no_ray_at_runtime(layer, heavy):
+    """Importing every module of ``layer`` in a fresh interpreter loads none of ``heavy`` (nor their submodules)."""
+    modules = sorted(p.stem for p in (PACKAGE / layer).glob("*.py") if p.stem != "__init__")
+    assert modules, f"no {layer} modules found"
     code = (
         "import sys\n"
-        + "".join(f"import raycurate.algorithms.{m}\n" for m in modules)
-        + "bad = [m for m in sys.modules if m == 'ray' or m.startswith('ray.') or m.startswith('deepspeed')]\n"
-        + "assert not bad, bad\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
-
-
-def test_training_modules_import_no_ray_at_runtime():
-    modules = sorted(p.stem for p in (PACKAGE / "training").glob("*.py") if p.stem != "__init__")
-    assert modules, "no training modules found"
-    code = (
-        "import sys\n"
-        + "".join(f"import raycurate.training.{m}\n" for m in modules)
-        + "bad = [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]\n"
+        + "".join(f"import raycurate.{layer}.{m}\n" for m in modules)
+        + f"bad = [m for m in sys.modules if m.split('.')[0] in {heavy!r}]\n"
         + "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
