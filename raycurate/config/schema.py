@@ -10,13 +10,14 @@ import dataclasses
 from raycurate.config.base import option
 from raycurate.config.bilevel import BilevelConfig
 from raycurate.config.bridge import BridgeConfig
+from raycurate.config.curate import POOL_SPLIT, CurateConfig
 from raycurate.config.data import DataConfig
 from raycurate.config.model import ModelConfig
 from raycurate.config.p2d import P2DConfig
 from raycurate.config.pool import ActorPoolConfig
 from raycurate.config.train import TrainConfig
 
-PIPELINES = ("demo", "sft", "bridge", "p2d", "bilevel", "proving_ground")
+PIPELINES = ("demo", "sft", "bridge", "p2d", "bilevel", "curate", "proving_ground")
 DEMO_METHODS = ("sft", "bridge", "p2d", "bilevel")
 BRIDGE_SPLITS = ("warmup", "validation", "selection")
 
@@ -90,8 +91,11 @@ class DemoConfig:
 class ProvingGroundConfig:
     """The demo repeated over corpus seeds (``jobs/proving_ground.yaml``): every comparison on several corpora."""
 
-    seeds: list[int] = option([0, 1, 2], "Corpus seeds (data.corpus_seed); each runs the whole demo in "
+    seeds: list[int] = option([0, 1, 2], "Corpus seeds (data.corpus_seed); each runs proving_ground.pipeline in "
                               "<runs_dir>/<name>/seed-<seed>/ and the summary pools them.")
+    pipeline: str = option("demo", "Pipeline each seed runs: demo (every method vs its baseline), curate (the "
+                           "composition vs each single step at a matched token budget), or a single method.",
+                           choices=tuple(p for p in PIPELINES if p != "proving_ground"))
 
 
 @dataclasses.dataclass
@@ -115,10 +119,18 @@ class JobConfig:
     bilevel: BilevelConfig = option(BilevelConfig(),
                                     "Bilevel data weights (BDS), online regeneration (BMO), baselines.")
     p2d_pool: ActorPoolConfig = option(ActorPoolConfig(batch_size=8), "Actor pool for P2D ICL probing and IFD.")
+    curate: CurateConfig = option(CurateConfig(), "Composable curation (pipeline curate): example-level steps, then "
+                                  "BRIDGE, then one SFT; compared with each step alone at a matched token budget.")
 
     def runs(self, method: str) -> bool:
-        """Whether this job runs ``method`` (its own pipeline, or the demo with it in ``demo.methods``)."""
-        return self.pipeline == method or (self.pipeline in ("demo", "proving_ground") and method in self.demo.methods)
+        """Whether this job runs ``method``: its own pipeline, the demo with it in ``demo.methods``, or curate with
+        a step that uses it (:meth:`CurateConfig.methods`); proving_ground asks of ``proving_ground.pipeline``."""
+        pipeline = self.proving_ground.pipeline if self.pipeline == "proving_ground" else self.pipeline
+        if pipeline == "demo":
+            return method in self.demo.methods
+        if pipeline == "curate":
+            return method in self.curate.methods()
+        return pipeline == method
 
     def config_problems(self) -> list[str]:
         """Cross-section checks of what the chosen pipeline needs (split names, batch arithmetic)."""
@@ -132,8 +144,28 @@ class JobConfig:
                        ("bilevel.candidate_split", self.bilevel.candidate_split)]
         if self.runs("p2d") and self.p2d.pool_split is not None:
             needed.append(("p2d.pool_split", self.p2d.pool_split))
+        curating = "curate" in (self.pipeline, self.proving_ground.pipeline)
+        if curating:
+            needed.append(("curate (its pool)", POOL_SPLIT))
+            problems.extend(self.curate_problems())
         for key, split in needed:
             if split not in splits:
                 problems.append(f"{key}: pipeline {self.pipeline!r} needs a split named {split!r}, but "
                                 f"data.split_ratios has only {sorted(splits)}; add it (a 0.0 share is allowed)")
+        return problems
+
+    def curate_problems(self) -> list[str]:
+        """What pipeline curate needs of the other sections: every step curates the same pool (the selection
+        split), and comparing needs the embedded corpus's held-out set."""
+        problems = []
+        steps = self.curate.steps
+        if "bds" in steps and self.bilevel.candidate_split != POOL_SPLIT:
+            problems.append(f"bilevel.candidate_split: curate's bds step ranks the {POOL_SPLIT!r} split (the pool "
+                            f"every step curates), got {self.bilevel.candidate_split!r}; set it to {POOL_SPLIT!r}")
+        if "p2d" in steps and self.p2d.pool_split not in (None, POOL_SPLIT):
+            problems.append(f"p2d.pool_split: curate's p2d step scores the {POOL_SPLIT!r} split, got "
+                            f"{self.p2d.pool_split!r}; set it to null or {POOL_SPLIT!r}")
+        if self.curate.compare and self.data.input_paths():
+            problems.append("curate.compare: comparing arms needs the embedded corpus's held-out set; with your own "
+                            "data.input set curate.compare=false (the composition is still trained)")
         return problems

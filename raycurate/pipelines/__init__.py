@@ -35,6 +35,12 @@ def _bilevel(cfg: Any) -> dict:
     return run_bilevel_pipeline(cfg)
 
 
+def _curate(cfg: Any) -> dict:
+    from raycurate.pipelines.curate import run_curate
+
+    return run_curate(cfg)
+
+
 def _proving_ground(cfg: Any) -> dict:
     from raycurate.pipelines.proving_ground import run_proving_ground
 
@@ -42,7 +48,7 @@ def _proving_ground(cfg: Any) -> dict:
 
 
 PIPELINES: dict[str, Callable[[Any], dict]] = {
-    "demo": _demo, "sft": _sft, "bridge": _bridge, "p2d": _p2d, "bilevel": _bilevel,
+    "demo": _demo, "sft": _sft, "bridge": _bridge, "p2d": _p2d, "bilevel": _bilevel, "curate": _curate,
     "proving_ground": _proving_ground,
 }
 

@@ -37,8 +37,30 @@ def run_bridge_selection(run: Any, cfg: Any) -> dict[str, str]:
     Returns:
         ``{method: compacted token stage}``: ``bridge`` -> ``bridge_compact`` and one entry per baseline.
     """
-    from raycurate.stages.bridge import direction_stage, score_stage, select_stage
     from raycurate.stages.bridge_compact import baseline_masks_stage, compact_stage
+
+    bridge = cfg.bridge
+    methods = {"bridge": run_bridge_core(run, cfg)}
+    for name in bridge.baselines:
+        baseline_masks_stage(run, f"baseline_{name}_masks", method=name, selection_stage="bridge_select",
+                             warmup_stage="bridge_warmup", base_stage="base_model", bridge_cfg=bridge,
+                             pool_cfg=cfg.bridge_pool)
+        compact_stage(run, f"baseline_{name}_compact", selection_stage=f"baseline_{name}_masks", mask_prefix=name)
+        methods[name] = f"baseline_{name}_compact"
+    if bridge.diagnostics_rows > 0:
+        from raycurate.stages.bridge_diagnostics import diagnostics_stage
+
+        diagnostics_stage(run, selection_stage="bridge_select", warmup_stage="bridge_warmup",
+                          direction_stage_name="bridge_direction", bridge_cfg=bridge)
+    return methods
+
+
+def run_bridge_core(run: Any, cfg: Any) -> str:
+    """Split subsets, warmup SFT, scoring direction, ``bridge_score`` (once), ``bridge_select`` at
+    ``cfg.bridge``'s budgets and ``bridge_compact``; returns the compacted token stage (no baselines, no
+    diagnostics).  Shared by :func:`run_bridge_selection` and the curate pipeline."""
+    from raycurate.stages.bridge import direction_stage, score_stage, select_stage
+    from raycurate.stages.bridge_compact import compact_stage
     from raycurate.stages.data_stages import filter_tokens_stage
     from raycurate.stages.model_stages import train_stage
 
@@ -58,20 +80,8 @@ def run_bridge_selection(run: Any, cfg: Any) -> dict[str, str]:
     select = select_stage(run, score_stage_name="bridge_score", bridge_cfg=bridge, pool_cfg=cfg.bridge_pool,
                           progress=cfg.run.progress)
     log.info("bridge selection: %s", {k: v for k, v in select["metrics"].items() if not isinstance(v, dict)})
-    methods = {"bridge": "bridge_compact"}
     compact_stage(run, "bridge_compact", selection_stage="bridge_select", mask_prefix="sel")
-    for name in bridge.baselines:
-        baseline_masks_stage(run, f"baseline_{name}_masks", method=name, selection_stage="bridge_select",
-                             warmup_stage="bridge_warmup", base_stage="base_model", bridge_cfg=bridge,
-                             pool_cfg=cfg.bridge_pool)
-        compact_stage(run, f"baseline_{name}_compact", selection_stage=f"baseline_{name}_masks", mask_prefix=name)
-        methods[name] = f"baseline_{name}_compact"
-    if bridge.diagnostics_rows > 0:
-        from raycurate.stages.bridge_diagnostics import diagnostics_stage
-
-        diagnostics_stage(run, selection_stage="bridge_select", warmup_stage="bridge_warmup",
-                          direction_stage_name="bridge_direction", bridge_cfg=bridge)
-    return methods
+    return "bridge_compact"
 
 
 def run_bridge_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:

@@ -80,25 +80,27 @@ def run_p2d_heads(run: Any, cfg: Any) -> str:
     return pool
 
 
-def run_p2d_selection(run: Any, cfg: Any) -> None:
-    """Proxy, head scoring, ICL probing and example selection, plus the data subsets the variants train on."""
-    from raycurate.stages.p2d import (
-        ids_subset_stage,
-        ifd_select_stage,
-        probe_stage,
-        seeded_sample,
-        select_stage,
-        selected_ids,
-        token_ids,
-    )
+def run_p2d_scoring(run: Any, cfg: Any) -> str:
+    """Proxy, head scoring, ICL probing and ``p2d_select`` (every pool row's s_final, the top rho_D selected);
+    returns the pool stage.  Shared by :func:`run_p2d_selection` and the curate pipeline."""
+    from raycurate.stages.p2d import probe_stage, select_stage
 
     p2d = cfg.p2d
     pool = run_p2d_heads(run, cfg)
-    pool_ids = token_ids(run, pool)
     probe_stage(run, "p2d_probe", pool_stage=pool, base_stage="base_model", heads_stage_name="p2d_heads",
                 p2d_cfg=p2d, pool_cfg=cfg.p2d_pool, max_new_tokens=cfg.eval.max_new_tokens)
     select = select_stage(run, "p2d_select", pool_stage=pool, probe_stage_name="p2d_probe", p2d_cfg=p2d)
     log.info("p2d selection: %s", select["metrics"])
+    return pool
+
+
+def run_p2d_selection(run: Any, cfg: Any) -> None:
+    """Proxy, head scoring, ICL probing and example selection, plus the data subsets the variants train on."""
+    from raycurate.stages.p2d import ids_subset_stage, ifd_select_stage, seeded_sample, selected_ids, token_ids
+
+    p2d = cfg.p2d
+    pool = run_p2d_scoring(run, cfg)
+    pool_ids = token_ids(run, pool)
     chosen = selected_ids(run, "p2d_select")
     ids_subset_stage(run, "p2d_rows", tokens_stage=pool, ids=chosen, description="P2D selection")
     if "random_data" in p2d.baselines:

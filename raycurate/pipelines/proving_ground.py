@@ -1,9 +1,11 @@
-"""The proving ground: the whole demo on several corpus seeds, every comparison pooled over them.
+"""The proving ground: a pipeline (``proving_ground.pipeline``, default the whole demo) on several corpus seeds,
+every comparison pooled over them.
 
-Each seed runs :func:`raycurate.pipelines.demo.run_demo` in ``<runs_dir>/<name>/seed-<seed>/`` (so each is an
-ordinary, resumable run with its own report); the base model is shared through its cache.  The summary
-(``proving_ground.json`` and ``report.html`` in ``<runs_dir>/<name>/``) has, per comparison, each seed's paired
-difference with its CI and the difference pooled over seeds (questions resampled within each seed).
+Each seed runs that pipeline in ``<runs_dir>/<name>/seed-<seed>/`` (so each is an ordinary, resumable run with its
+own report); the base model is shared through its cache.  The summary (``proving_ground.json`` and
+``report.html`` in ``<runs_dir>/<name>/``) has, per comparison, each seed's paired difference with its CI and the
+difference pooled over seeds (questions resampled within each seed): the demo's methods against their baselines,
+and for ``pipeline: curate`` the composition against each arm at the matched token budget.
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ log = logging.getLogger("raycurate")
 
 
 def seed_config(cfg: Any, seed: int) -> Any:
-    """The demo job of one corpus seed, in ``<runs_dir>/<name>/seed-<seed>``."""
+    """The ``proving_ground.pipeline`` job of one corpus seed, in ``<runs_dir>/<name>/seed-<seed>``."""
     runs_dir = f"{str(cfg.run.runs_dir).rstrip('/')}/{cfg.run.name}"
-    return dataclasses.replace(cfg, pipeline="demo", run=dataclasses.replace(cfg.run, runs_dir=runs_dir,
-                                                                             name=f"seed-{seed}"),
+    return dataclasses.replace(cfg, pipeline=cfg.proving_ground.pipeline,
+                               run=dataclasses.replace(cfg.run, runs_dir=runs_dir, name=f"seed-{seed}"),
                                data=dataclasses.replace(cfg.data, corpus_seed=seed))
 
 
 def _comparisons(scores: dict[str, Any]) -> dict[str, tuple[str, str]]:
     """Name -> (treatment, control) of every paired comparison the scores allow."""
+    from raycurate.pipelines.curate import COMPOSITION_MODEL
     from raycurate.report.curation import METHODS
 
     pairs = {"oracle: clean vs mixed": ("clean", "mixed")}
@@ -34,6 +37,10 @@ def _comparisons(scores: dict[str, Any]) -> dict[str, tuple[str, str]]:
         pairs[f"{spec.model} vs mixed"] = (spec.model, "mixed")
         if spec.baseline:
             pairs[f"{spec.model} vs {spec.baseline}"] = (spec.model, spec.baseline)
+    for model in scores:  # pipeline curate: the composition minus each arm at the matched token budget
+        if model.startswith(f"{COMPOSITION_MODEL}_"):
+            arm = model.removeprefix(f"{COMPOSITION_MODEL}_")
+            pairs[f"composition vs {arm} (matched tokens)"] = (COMPOSITION_MODEL, model)
     return {name: pair for name, pair in pairs.items() if pair[0] in scores and pair[1] in scores}
 
 
@@ -78,6 +85,13 @@ def _render(summary: dict) -> str:
             f"bootstrap intervals per corpus seed, and pooled over the {len(seeds)} seeds (questions resampled "
             "within each seed). The last column counts the seeds whose interval excludes 0.</p>"
             + table(["comparison", *(f"seed {s}" for s in seeds), "pooled", "seeds != 0"], rows))
+    budgets = summary.get("composition_budgets") or {}
+    if budgets:
+        arms = list(next(iter(budgets.values()))["arms"])
+        body += ("<p>Composition arms: rows / response tokens per seed (T = the composition's tokens).</p>"
+                 + table(["seed", "T", *arms], [[seed, b["budget_tokens"], *(
+                     f"{b['arms'][a]['rows']} / {b['arms'][a]['response_tokens']}" if a in b["arms"] else ""
+                     for a in arms)] for seed, b in budgets.items()]))
     return ("<!doctype html><html lang='en'><head><meta charset='utf-8'><title>raycurate proving ground</title>"
             "<style>body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1100px}table{border-collapse:"
             "collapse;display:block;overflow-x:auto}td,th{border:1px solid #dde;padding:.25rem .6rem}</style>"
@@ -85,9 +99,10 @@ def _render(summary: dict) -> str:
 
 
 def run_proving_ground(cfg: Any) -> dict:
-    """Run the demo for every seed of ``proving_ground.seeds`` and write the pooled summary; returns it."""
-    from raycurate.pipelines.demo import run_demo
-    from raycurate.report.curation import heldout_scores
+    """Run ``proving_ground.pipeline`` for every seed of ``proving_ground.seeds`` and write the pooled summary
+    (every evaluated model's per-question scores feed the comparisons); returns it."""
+    from raycurate.pipelines import run_pipeline
+    from raycurate.report.curation import aligned_scores, evaluated_models
     from raycurate.rundir import atomic_write_text
     from raycurate.storage import is_uri
 
@@ -95,15 +110,24 @@ def run_proving_ground(cfg: Any) -> dict:
         raise ValueError("pipeline proving_ground writes its summary locally; give run.runs_dir a local folder")
     if not cfg.proving_ground.seeds:
         raise ValueError("proving_ground.seeds is empty; list the corpus seeds to run, e.g. [0, 1, 2]")
-    per_seed = {}
+    per_seed, budgets = {}, {}
     for seed in cfg.proving_ground.seeds:
         child = seed_config(cfg, seed)
-        log.info("proving ground: corpus seed %d -> %s/%s", seed, child.run.runs_dir, child.run.name)
-        manifest = run_demo(child)
-        loaded = heldout_scores(Path(child.run.runs_dir) / child.run.name, manifest)
+        log.info("proving ground: corpus seed %d, pipeline %s -> %s/%s", seed, child.pipeline, child.run.runs_dir,
+                 child.run.name)
+        manifest = run_pipeline(child)
+        loaded = aligned_scores(Path(child.run.runs_dir) / child.run.name, manifest, evaluated_models(manifest))
         if loaded is not None:
             per_seed[seed] = (loaded[1], loaded[2])
+        composition = (manifest.get("results") or {}).get("composition")
+        if composition:  # what each arm trained on, so the pooled table can be read against the budgets
+            budgets[str(seed)] = {"budget_tokens": composition["budget_tokens"],
+                                  "arms": {arm: {k: a.get(k) for k in ("rows", "response_tokens", "clean_share")}
+                                           for arm, a in composition["arms"].items()}}
     summary = summarize_seeds(per_seed)
+    summary["pipeline"] = cfg.proving_ground.pipeline
+    if budgets:
+        summary["composition_budgets"] = budgets
     root = Path(cfg.run.runs_dir) / cfg.run.name
     atomic_write_text(root / "proving_ground.json", json.dumps(summary, indent=2))
     atomic_write_text(root / "report.html", _render(summary))

@@ -127,10 +127,30 @@ def heldout_scores(run_dir: str | Path, manifest: dict) -> tuple[str, str, dict[
         ``(metric key, metric label, {model: (Q,) float array})`` with the same Q questions in the same order for
         every model, or None when the run has no mixed-corpus model to compare with.
     """
-    run_dir = Path(run_dir)
     names = ["mixed", "clean", "base"] + [n for s in METHODS for n in (s.model, s.baseline) if n]
+    loaded = aligned_scores(run_dir, manifest, names)
+    if loaded is None or "mixed" not in loaded[2]:
+        return None
+    return loaded
+
+
+def evaluated_models(manifest: dict) -> list[str]:
+    """Every model with a finished held-out evaluation (stage ``eval_<model>`` with predictions), in run order."""
+    return [name.removeprefix("eval_") for name, rec in (manifest.get("stages") or {}).items()
+            if name.startswith("eval_") and rec.get("status") == "done"
+            and "predictions" in (rec.get("outputs") or {})]
+
+
+def aligned_scores(run_dir: str | Path, manifest: dict,
+                   names: list[str]) -> tuple[str, str, dict[str, Any]] | None:
+    """Per-question scores of the ``names`` that were evaluated, on the questions they all answered, in one order.
+
+    Returns:
+        ``(metric key, metric label, {model: (Q,) float array})``, or None when none of them was evaluated.
+    """
+    run_dir = Path(run_dir)
     predictions = {n: p for n in dict.fromkeys(names) if (p := _predictions(run_dir, manifest, n)) is not None}
-    if "mixed" not in predictions:
+    if not predictions:
         return None
     metric, label = _primary_metric(predictions)
     ids = sorted(set.intersection(*(set(rows) for rows in predictions.values())))

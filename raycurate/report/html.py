@@ -1,8 +1,9 @@
 """A self-contained HTML report of a run (inline CSS and SVG; no scripts, no network).
 
-Sections: run summary, "Did curation help?" (:mod:`raycurate.report.curation`), held-out results, lm-eval,
-BRIDGE token views, P2D heads, bilevel weights, Tune results, row accounting, stage timings, corpus composition
-(:data:`SECTIONS`; the pipeline sections live in :mod:`raycurate.report.sections`).
+Sections: run summary, "Did curation help?" (:mod:`raycurate.report.curation`), the composition of pipeline
+curate (:mod:`raycurate.report.composition`), held-out results, lm-eval, BRIDGE token views, P2D heads, bilevel
+weights, Tune results, row accounting, stage timings, corpus composition (:data:`SECTIONS`; the pipeline sections
+live in :mod:`raycurate.report.sections`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from raycurate.report.charts import bar_chart, esc, table
+from raycurate.report.composition import section_composition
 from raycurate.report.curation import section_curation
 from raycurate.report.sections import section_bilevel, section_lm_eval, section_p2d, section_tune
 from raycurate.rundir import atomic_write_text
@@ -186,8 +188,8 @@ def section_bridge(run_dir: Path, manifest: dict) -> str:
 
 # The question a user runs the demo for comes first; timings and row accounting follow the method sections.
 SECTIONS: list[Callable[[Path, dict], str]] = [
-    section_summary, section_curation, section_results, section_lm_eval, section_bridge, section_p2d,
-    section_bilevel, section_tune, section_rows, section_timings, section_corpus,
+    section_summary, section_curation, section_composition, section_results, section_lm_eval, section_bridge,
+    section_p2d, section_bilevel, section_tune, section_rows, section_timings, section_corpus,
 ]
 
 

@@ -359,6 +359,15 @@ def loss_eval_stage(run: RunDir, stage: str, *, model_stage: str, tokens_stage: 
     return run_stage(run, stage, body, config={}, upstream=[model_stage, tokens_stage], force=force)
 
 
+def final_weights(run: RunDir, bds_stage_name: str) -> dict[str, float]:
+    """``id -> sigma(omega)`` of a BDS stage's last weight snapshot (mean 1 over its candidates)."""
+    import pyarrow.parquet as pq
+
+    weights = pq.read_table(output_path(run, bds_stage_name, "weights"), columns=["id", "step", "sigma"]).to_pylist()
+    last = max(w["step"] for w in weights)
+    return {w["id"]: float(w["sigma"]) for w in weights if w["step"] == last}
+
+
 def weight_analysis(run: RunDir, bds_stage_name: str, candidate_stage: str, top: int = 5, seed: int = 0) -> dict:
     """sigma(omega) of the last snapshot by ground-truth label, and the sampling-order diagnostic.
 

@@ -299,11 +299,12 @@ SELECT_IN_PROCESS_ROWS = 20_000
 
 
 def select_stage(run: RunDir, *, score_stage_name: str, bridge_cfg: Any, pool_cfg: ActorPoolConfig,
-                 progress: bool = True, force: bool = False) -> dict:
+                 progress: bool = True, force: bool = False, stage: str = "bridge_select") -> dict:
     """``bridge_select``: per-example budgets, coupled selection and closure from ``bridge_score``'s stored scores
     (no model, no GPU), in resumable shards, on CPU actors or in the driver process (``bridge.select_actors``);
     writes ``selection/part-*.parquet`` (token columns + ``sel_*`` columns).  Keyed by the selection settings
-    (budgets, schedule, closure); where it runs does not change the output."""
+    (budgets, schedule, closure); where it runs does not change the output.  ``stage`` names it, so one run can
+    hold selections at several budgets from the same scores (e.g. curate's matched-budget BRIDGE arm)."""
     scores = output_path(run, score_stage_name, "scores")
     settings = selection_settings(bridge_cfg)
 
@@ -315,7 +316,7 @@ def select_stage(run: RunDir, *, score_stage_name: str, bridge_cfg: Any, pool_cf
             rows = sum(f.rows for f in list_input_files(scores))
             actors = 0 if rows <= SELECT_IN_PROCESS_ROWS else pool_cfg.num_actors
         pool = resolve_pool(dataclasses.replace(pool_cfg, gpus_per_actor=0, num_actors=max(actors, 1)))
-        scratch = scratch_dir(run, "bridge_select")
+        scratch = scratch_dir(run, stage)
         shard_metrics = sharded_map(str(scores), scratch, BridgeSelectUDF, {"settings": settings},
                                     shard_rows=pool_cfg.shard_rows, num_actors=pool.num_actors,
                                     num_cpus_per_actor=pool.num_cpus, num_gpus_per_actor=0,
@@ -326,8 +327,21 @@ def select_stage(run: RunDir, *, score_stage_name: str, bridge_cfg: Any, pool_cf
         metrics["select_actors"] = actors
         return StageOutput(outputs={"selection": "selection"}, metrics=metrics)
 
-    return run_stage(run, "bridge_select", body, config={"settings": dataclasses.asdict(settings)},
+    return run_stage(run, stage, body, config={"settings": dataclasses.asdict(settings)},
                      upstream=[score_stage_name], force=force)
+
+
+def response_totals(run: RunDir, select_stage_name: str) -> dict[str, int]:
+    """Response-token totals of a BRIDGE selection over its rows: ``eligible`` (budgeted positions),
+    ``supervised`` (selected eligible positions), ``fixed`` (always-supervised EOS / end-of-turn positions) and
+    ``loss_tokens`` (= supervised + fixed, what the compact SFT trains on)."""
+    columns = ["sel_loss_mask", "sel_eligible_response", "sel_supervised_response"]
+    rows = read_token_rows(output_path(run, select_stage_name, "selection"), columns)
+    eligible = sum(int(r["sel_eligible_response"]) for r in rows)
+    supervised = sum(int(r["sel_supervised_response"]) for r in rows)
+    loss_tokens = sum(int(sum(r["sel_loss_mask"])) for r in rows)
+    return {"rows": len(rows), "eligible": eligible, "supervised": supervised, "fixed": loss_tokens - supervised,
+            "loss_tokens": loss_tokens}
 
 
 def selection_summary(selection_dir: Path) -> dict:

@@ -416,6 +416,14 @@ def select_stage(run: RunDir, stage: str, *, pool_stage: str, probe_stage_name: 
                      upstream=[pool_stage, probe_stage_name], force=force)
 
 
+def selection_scores(run: RunDir, select_stage_name: str) -> dict[str, float]:
+    """``id -> s_final`` of every pool row a selection stage scored (the ranking behind its top rho_D)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(output_path(run, select_stage_name, "selection"), columns=["id", "s_final"])
+    return {r["id"]: float(r["s_final"]) for r in table.to_pylist()}
+
+
 def selected_ids(run: RunDir, select_stage_name: str) -> list[str]:
     """Ids chosen by a selection stage."""
     import pyarrow.parquet as pq

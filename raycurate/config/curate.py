@@ -1,0 +1,68 @@
+"""Config section of the composable curation pipeline (``curate:`` in a job YAML; ``pipeline: curate``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raycurate.config.base import option
+
+CURATE_STEPS = ("dedup", "bds", "p2d", "bridge")
+#: Example-level steps that rank the rows (``keep_fraction`` applies); ``dedup`` only drops near-duplicates.
+RANKING_STEPS = ("bds", "p2d")
+#: The split every step curates (BRIDGE's selection split and the bilevel candidate pool).
+POOL_SPLIT = "selection"
+
+
+def steps_problems(steps: list[str]) -> list[str]:
+    """Problems of an ordered ``curate.steps`` list (empty when it is valid).
+
+    Valid: at least one step, each one of :data:`CURATE_STEPS`, no step twice, ``bridge`` (the only token-level
+    step) last.
+    """
+    if not steps:
+        return [f"curate.steps: is empty; list at least one step, e.g. [bds, bridge] (allowed: "
+                f"{', '.join(CURATE_STEPS)})"]
+    problems = []
+    unknown = [s for s in steps if s not in CURATE_STEPS]
+    if unknown:
+        problems.append(f"curate.steps: unknown step(s) {unknown}; allowed: {', '.join(CURATE_STEPS)}")
+    repeated = sorted({s for s in steps if steps.count(s) > 1})
+    if repeated:
+        problems.append(f"curate.steps: {repeated} appear more than once; each step runs at most once")
+    if "bridge" in steps and steps[-1] != "bridge":
+        problems.append(f"curate.steps: 'bridge' must be the last step (token selection runs on the rows the "
+                        f"example-level steps kept); got {steps}, e.g. use "
+                        f"{[s for s in steps if s != 'bridge'] + ['bridge']}")
+    return problems
+
+
+@dataclass
+class CurateConfig:
+    """Composable curation: example-level selection / weighting, then token-level selection, then one SFT."""
+
+    steps: list[str] = option(
+        ["bds", "bridge"], "Ordered steps: dedup (drop near-duplicates), bds (keep the top rows by the learned BDS "
+        "weight), p2d (keep the top rows by the P2D ICL score), bridge (token selection on the kept rows; last "
+        "only). Each example-level step filters the rows the previous one kept.")
+    keep_fraction: float = option(
+        0.6, "Share of the rows it receives that each ranking step (bds, p2d) keeps: round(keep_fraction * rows), "
+        "halves up.", gt=0, le=1)
+    bds_mode: str = option(
+        "select", "select: keep the top rows by BDS weight and train on them unweighted; weight: also train with "
+        "the kept rows' BDS weights (renormalised to mean 1) as the SFT weight column.", choices=("select", "weight"))
+    dedup_threshold: float = option(
+        0.9, "dedup step: word 3-gram Jaccard similarity at which a row counts as a near-duplicate of an earlier one "
+        "(validation rows first, then the pool by id).", gt=0, le=1)
+    compare: bool = option(
+        True, "Also train and evaluate, at the composition's response-token budget T, each single step alone over "
+        "the full pool and seeded random rows, with paired bootstrap CIs of composition minus each.")
+    seed: int = option(0, "Seed of the tie-break among equal scores and of the random arm.")
+
+    def config_problems(self) -> list[str]:
+        """The step list's problems (:func:`steps_problems`)."""
+        return steps_problems(self.steps)
+
+    def methods(self) -> set[str]:
+        """The method sections the steps use: bridge, bilevel (bds and dedup split on its splits), p2d."""
+        names = {"bridge": "bridge", "bds": "bilevel", "dedup": "bilevel", "p2d": "p2d"}
+        return {names[s] for s in self.steps if s in names}

@@ -1,0 +1,204 @@
+"""Composable curation (issue #16): ``pipeline: curate`` runs ``curate.steps`` in order, e.g. ``[dedup, bds,
+bridge]`` or ``[p2d, bridge]``, then one SFT on what they kept, and compares it with each step alone.
+
+Design (docs/design.md, "Composable curation"):
+
+* **Pool.** Every step curates the ``selection`` split (BRIDGE's selection rows = the bilevel candidates = the P2D
+  pool here); the ``validation`` split is the trusted set of BDS (and dedup's reference), ``warmup`` is BRIDGE's.
+* **Score once, cut in order.** Each example-level step scores the *whole* pool once with its own stages (dedup:
+  ``curate_dedup``; bds: ``curate_bds`` on ``bilevel_candidate_rows``; p2d: ``p2d_heads`` / ``p2d_probe`` /
+  ``p2d_select``), and the composition applies them in order, each to the rows the previous one kept: dedup drops
+  the near-duplicates, a ranking step keeps the top ``keep_fraction`` of what it received
+  (:func:`raycurate.algorithms.composition.compose`).  The single-step arms reuse the same scores, so composition
+  and arm differ only in the composition.  ``bridge`` (last) scores and selects every pool row once at
+  ``bridge.rho_p`` / ``rho_r`` (BRIDGE's per-row selection does not depend on the other rows) and the composition
+  keeps the compacted rows it kept (``curate_rows``).
+* **Weights.** ``bds_mode: select`` (default) trains the kept rows unweighted; ``weight`` also writes their BDS
+  weights, renormalised to mean 1 over the kept rows, as the SFT ``weight`` column (the bds arm likewise).
+* **Matched token budget.** T = the response (loss-mask) tokens of ``curate_rows``.  With ``curate.compare`` each
+  step alone over the whole pool is cut to T: example-level steps take their top-ranked rows (dedup: undropped
+  rows first, in seeded random order) while the running total comes closest to T; BRIDGE alone re-selects from
+  the stored scores at ``rho_r = (T - fixed) / eligible`` over the pool (``curate_bridge_select``); ``random``
+  takes seeded random rows.  One-step compositions skip their own (identical) arm.
+* **Training.** Every arm is one full SFT from ``base_model`` with ``train`` (``train_curate``,
+  ``train_curate_<arm>``) and one held-out evaluation; ``results.composition`` records per arm the rows, response
+  tokens, clean share, score and the paired bootstrap CI of composition minus arm; report.html has the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+log = logging.getLogger("raycurate")
+
+COMPOSITION_MODEL = "curate"
+
+
+def score_step(run: Any, cfg: Any, name: str) -> tuple[Any, dict]:
+    """Run one example-level step's stages over the whole pool.
+
+    Returns:
+        (:class:`raycurate.algorithms.composition.Step`, info recorded in the manifest).
+    """
+    from raycurate.algorithms.composition import Step
+    from raycurate.config.curate import POOL_SPLIT
+
+    if name == "dedup":
+        from raycurate.stages.bilevel_dedup import dedup_stage, flagged_ids
+
+        record = dedup_stage(run, "curate_dedup", tokens_stage="tokenize", split_column="split",
+                             reference_split=cfg.bilevel.validation_split, candidate_split=POOL_SPLIT,
+                             threshold=cfg.curate.dedup_threshold, seed=cfg.curate.seed)
+        return Step(name, dropped=frozenset(flagged_ids(run, "curate_dedup"))), dict(record["metrics"])
+    if name == "bds":
+        from raycurate.pipelines.bilevel import adapter_spec, bilevel_train_config, split_rows
+        from raycurate.stages.bilevel import bds_stage, final_weights, weight_analysis
+
+        # score the whole pool: near-duplicates are the dedup step's job, not a filter inside BDS
+        bds_cfg = dataclasses.replace(cfg, bilevel=dataclasses.replace(cfg.bilevel, dedup_threshold=None))
+        split_rows(run, bds_cfg)
+        bds_stage(run, "curate_bds", candidate_stage="bilevel_candidate_rows",
+                  validation_stage="bilevel_validation_rows", base_stage="base_model",
+                  train_cfg=bilevel_train_config(bds_cfg), bilevel=bds_cfg.bilevel,
+                  adapter=adapter_spec(bds_cfg.bilevel), online=False)
+        analysis = weight_analysis(run, "curate_bds", "bilevel_candidate_rows")
+        info = {k: analysis[k] for k in ("auroc", "auroc_ci95", "candidates") if k in analysis}
+        return Step(name, scores=final_weights(run, "curate_bds")), info
+    if name == "p2d":
+        from raycurate.pipelines.p2d import run_p2d_scoring
+        from raycurate.stages.p2d import selection_scores
+
+        p2d_cfg = dataclasses.replace(cfg, p2d=dataclasses.replace(cfg.p2d, pool_split=POOL_SPLIT))
+        run_p2d_scoring(run, p2d_cfg)
+        return Step(name, scores=selection_scores(run, "p2d_select")), {}
+    raise ValueError(f"curate step {name!r} is not an example-level step (dedup, bds, p2d)")
+
+
+def arm_weights(cfg: Any, steps: dict[str, Any], ids: list[str], *, uses_bds: bool) -> dict[str, float] | None:
+    """The SFT weights of a set of rows: their BDS weights (mean 1) in ``bds_mode: weight``, else None."""
+    from raycurate.algorithms.composition import normalised_weights
+
+    if cfg.curate.bds_mode != "weight" or not uses_bds:
+        return None
+    return normalised_weights(steps["bds"].scores, ids)
+
+
+def matched_arms(run: Any, cfg: Any, pool: list[str], steps: dict[str, Any],
+                 budget: int) -> dict[str, tuple[str, dict]]:
+    """Each step alone over the whole pool, and seeded random rows, cut to ``budget`` response tokens.
+
+    Returns:
+        ``{arm: (training-table stage, its metrics)}`` (stages of :func:`raycurate.stages.curate.subset_rows_stage`).
+    """
+    from raycurate.algorithms.composition import ranked_ids, rows_until_tokens
+    from raycurate.stages.curate import response_tokens, subset_rows_stage
+
+    curate = cfg.curate
+    tokens = response_tokens(run, "curate_pool_rows")
+    rankings: dict[str, dict[str, float]] = {}
+    for name in curate.steps if len(curate.steps) > 1 else []:
+        if name == "bridge":
+            continue
+        step = steps[name]
+        rankings[name] = step.scores if step.scores is not None else {
+            i: 0.0 if i in step.dropped else 1.0 for i in pool}  # dedup: undropped rows first, then random
+    rankings["random"] = {i: 0.0 for i in pool}  # constant score: the seeded tie-break is the order
+    arms: dict[str, tuple[str, dict]] = {}
+    for name, scores in rankings.items():
+        order = ranked_ids(pool, scores, curate.seed)
+        ids = order[:rows_until_tokens([tokens[i] for i in order], budget)]
+        record = subset_rows_stage(
+            run, f"curate_{name}_rows", tokens_stage="curate_pool_rows", ids=ids,
+            weights=arm_weights(cfg, steps, ids, uses_bds=name == "bds"),
+            description=f"{name} alone: top-ranked rows until {budget} response tokens")
+        arms[name] = (f"curate_{name}_rows", record["metrics"])
+    if "bridge" in curate.steps and len(curate.steps) > 1:
+        arms["bridge"] = matched_bridge(run, cfg, pool, budget)
+    return arms
+
+
+def matched_bridge(run: Any, cfg: Any, pool: list[str], budget: int) -> tuple[str, dict]:
+    """BRIDGE alone over the whole pool, re-selected from the stored scores at the response ratio that supervises
+    about ``budget`` tokens (``rho_p`` unchanged); returns (training-table stage, its metrics + ``rho_r``)."""
+    from raycurate.algorithms.composition import matched_response_ratio
+    from raycurate.stages.bridge import response_totals, select_stage
+    from raycurate.stages.bridge_compact import compact_stage
+    from raycurate.stages.curate import subset_rows_stage
+
+    totals = response_totals(run, "bridge_select")
+    rho_r = matched_response_ratio(budget, totals["eligible"], totals["fixed"])
+    log.info("curate: BRIDGE alone at rho_r=%.4f (T=%d, %d eligible + %d fixed response tokens in the pool)",
+             rho_r, budget, totals["eligible"], totals["fixed"])
+    select_stage(run, stage="curate_bridge_select", score_stage_name="bridge_score",
+                 bridge_cfg=dataclasses.replace(cfg.bridge, rho_r=rho_r), pool_cfg=cfg.bridge_pool,
+                 progress=cfg.run.progress)
+    compact_stage(run, "curate_bridge_compact", selection_stage="curate_bridge_select", mask_prefix="sel")
+    record = subset_rows_stage(run, "curate_bridge_rows", tokens_stage="curate_bridge_compact", ids=pool,
+                               description=f"BRIDGE alone at rho_r={rho_r:.4f}")
+    return "curate_bridge_rows", {**record["metrics"], "rho_r": rho_r}
+
+
+def run_curate(cfg: Any) -> dict:
+    """``pipeline: curate``: the steps, one SFT on the composed table, the matched-budget arms; returns the
+    final manifest (``results.composition``)."""
+    from raycurate.algorithms.composition import compose
+    from raycurate.config.curate import POOL_SPLIT
+    from raycurate.pipelines.bridge import run_bridge_core, split_equals
+    from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout
+    from raycurate.pipelines.sft import write_report
+    from raycurate.report.composition import COMPOSITION, score_arms
+    from raycurate.stages.curate import subset_rows_stage
+    from raycurate.stages.data_stages import filter_tokens_stage
+    from raycurate.stages.model_stages import evaluate_stage, train_stage
+    from raycurate.stages.p2d import clean_labels, precision, token_ids
+
+    curate = cfg.curate
+    run = open_run(cfg)
+    records = prepare_data(run, cfg)
+    filter_tokens_stage(run, "curate_pool_rows", tokens_stage="tokenize", description=f"split == {POOL_SPLIT}",
+                        keep=split_equals(POOL_SPLIT), config={"split": POOL_SPLIT})
+    pool = token_ids(run, "curate_pool_rows")
+    labels = clean_labels(run, "curate_pool_rows")
+    example_steps = [s for s in curate.steps if s != "bridge"]
+    steps, step_info = {}, {}
+    for name in example_steps:
+        steps[name], step_info[name] = score_step(run, cfg, name)
+    history = compose(pool, [steps[n] for n in example_steps], curate.keep_fraction, curate.seed)
+    kept = history[-1] if history else pool
+    for name, rows in zip(example_steps, history):
+        step_info[name].update(kept_rows=len(rows), kept_clean_share=precision(rows, labels))
+        log.info("curate: after %s %d of %d pool rows kept", name, len(rows), len(pool))
+    table = run_bridge_core(run, cfg) if "bridge" in curate.steps else "curate_pool_rows"
+    composed = subset_rows_stage(run, "curate_rows", tokens_stage=table, ids=kept,
+                                 weights=arm_weights(cfg, steps, kept, uses_bds="bds" in steps),
+                                 description=f"composition {' -> '.join(curate.steps)}")
+    budget = int(composed["metrics"]["response_tokens"])
+    arms = {COMPOSITION: ("curate_rows", composed["metrics"])}
+    if curate.compare:
+        arms.update(matched_arms(run, cfg, pool, steps, budget))
+    evaluate = "corpus" in records
+    heldout, described = {}, {}
+    for arm, (rows_stage, m) in arms.items():
+        model = COMPOSITION_MODEL if arm == COMPOSITION else f"{COMPOSITION_MODEL}_{arm}"
+        train_stage(run, f"train_{model}", tokens_stage=rows_stage, init_stage="base_model", train_cfg=cfg.train)
+        if evaluate:
+            heldout[model] = evaluate_stage(run, f"eval_{model}", model_stage=f"train_{model}",
+                                            heldout_stage="corpus", eval_cfg=cfg.eval,
+                                            max_length=cfg.data.max_length)["metrics"]
+        described[arm] = {"model": model, "rows": m["rows"], "response_tokens": m["response_tokens"],
+                          "token_ratio": m["response_tokens"] / max(budget, 1), "prompt_tokens": m["prompt_tokens"],
+                          "clean_share": m.get("clean_share"), **({"rho_r": m["rho_r"]} if "rho_r" in m else {})}
+    if heldout:
+        record_heldout(run, heldout)
+    scored = score_arms(run.root, run.load_manifest(), described)
+    block = {"steps": list(curate.steps), "keep_fraction": curate.keep_fraction, "bds_mode": curate.bds_mode,
+             "seed": curate.seed, "pool_rows": len(pool), "budget_tokens": budget, "step_info": step_info,
+             "arms": described, **scored}
+    results = run.load_manifest().get("results") or {}
+    run.update_manifest(results={**results, "composition": block})
+    lm_eval_models(run, cfg, {name.removeprefix("train_"): name for name in run.load_manifest()["stages"]
+                              if name.startswith(f"train_{COMPOSITION_MODEL}")})
+    log.info("report: %s", write_report(run))
+    return run.load_manifest()

@@ -1,0 +1,86 @@
+"""Stages of composable curation: the training table of a set of kept rows (optionally weighted), and the response
+tokens per row that the matched token budget is counted in.
+
+The steps themselves reuse the method stages (:mod:`raycurate.stages.bilevel_dedup`, :mod:`raycurate.stages.bilevel`,
+:mod:`raycurate.stages.p2d`, :mod:`raycurate.stages.bridge`); the ranking and budget arithmetic is
+:mod:`raycurate.algorithms.composition`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+from raycurate.rundir import RunDir
+from raycurate.stages.base import StageOutput, output_path, run_stage
+from raycurate.stages.bridge import read_token_rows
+
+log = logging.getLogger("raycurate")
+
+
+def response_tokens(run: RunDir, tokens_stage: str) -> dict[str, int]:
+    """``id -> number of loss-mask (response) tokens`` of every row of a token table."""
+    return {r["id"]: int(sum(r["loss_mask"])) for r in read_token_rows(output_path(run, tokens_stage, "tokens"),
+                                                                         ["id", "loss_mask"])}
+
+
+def subset_rows_stage(run: RunDir, stage: str, *, tokens_stage: str, ids: list[str],
+                      weights: Mapping[str, float] | None = None, description: str = "",
+                      force: bool = False) -> dict:
+    """The rows of ``tokens_stage`` whose id is in ``ids``, with ``weight`` set from ``weights`` (else kept).
+
+    Metrics: ``rows``, ``response_tokens`` (sum of ``loss_mask``: what SFT trains on), ``prompt_tokens``
+    (tokens before ``prompt_len``, i.e. the executed context), on labelled data ``clean_share`` (share of rows whose
+    ``label.clean`` is true) and, with weights, ``weight_min`` / ``weight_max``.
+
+    Raises:
+        ValueError: when an id is not in the table (a kept row must exist in what it is cut from).
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    wanted = sorted(set(ids))
+    if weights is not None:
+        missing = [i for i in wanted if i not in weights]
+        if missing:
+            raise ValueError(f"{stage}: {len(missing)} kept rows have no weight (e.g. {missing[:3]})")
+
+    def body(out: Path) -> StageOutput:
+        (out / "tokens").mkdir()
+        source = output_path(run, tokens_stage, "tokens")
+        value_set = pa.array(wanted, pa.string())
+        found: list[str] = []
+        sums = {"response_tokens": 0, "prompt_tokens": 0}
+        clean: list[bool] = []
+        for index, path in enumerate(sorted(source.glob("*.parquet"))):
+            table = pq.read_table(path)
+            table = table.filter(pc.is_in(table["id"], value_set=value_set))
+            if weights is not None:
+                column = pa.array([float(weights[i]) for i in table["id"].to_pylist()], pa.float32())
+                if "weight" in table.schema.names:
+                    table = table.set_column(table.schema.get_field_index("weight"), "weight", column)
+                else:
+                    table = table.append_column("weight", column)
+            found.extend(table["id"].to_pylist())
+            sums["response_tokens"] += int(sum(sum(m) for m in table["loss_mask"].to_pylist()))
+            sums["prompt_tokens"] += int(sum(table["prompt_len"].to_pylist()))
+            if "label" in table.schema.names:
+                clean.extend(bool((label or {}).get("clean")) for label in table["label"].to_pylist())
+            pq.write_table(table, out / "tokens" / f"part-{index:05d}.parquet")
+        absent = sorted(set(wanted) - set(found))
+        if absent:
+            raise ValueError(f"{stage}: {len(absent)} of {len(wanted)} ids are not in {tokens_stage} "
+                             f"(e.g. {absent[:3]})")
+        metrics: dict[str, Any] = {"rows": len(found), **sums, "description": description}
+        if clean:
+            metrics["clean_share"] = float(np.mean(clean))
+        if weights is not None:
+            kept = [weights[i] for i in wanted]
+            metrics["weight_min"], metrics["weight_max"] = float(min(kept)), float(max(kept))
+        return StageOutput(outputs={"tokens": "tokens"}, metrics=metrics)
+
+    config = {"ids": wanted, "weights": None if weights is None else [round(float(weights[i]), 6) for i in wanted]}
+    return run_stage(run, stage, body, config=config, upstream=[tokens_stage], force=force)
