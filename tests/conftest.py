@@ -38,3 +38,23 @@ def ray_local():
     init_ray(num_cpus=2)
     yield ray
     ray.shutdown()
+
+
+
+@pytest.fixture(scope="session")
+def tiny_demo(ray_local, tmp_path_factory):
+    """The shared tiny demo run (:mod:`tiny_demo`): ``(run_dir, cache_dir, stdout of the run)``.  Read it; re-run
+    only a copy (:func:`tiny_demo.copy_tiny_demo`)."""
+    import contextlib
+    import io
+
+    from tiny_demo import tiny_demo_args
+
+    from raycurate.cli.main import main
+
+    root = tmp_path_factory.mktemp("tiny_demo")
+    run_dir, cache_dir = root / "demo", root / "cache"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(tiny_demo_args(run_dir, cache_dir)) == 0
+    return run_dir, cache_dir, out.getvalue()

@@ -201,27 +201,24 @@ def test_a_budget_change_reruns_only_bridge_select(embedded, tmp_path, ray_local
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(1800)
-def test_bridge_pipeline_rerun_with_another_budget_skips_the_model(tmp_path, ray_local):
-    """`raycurate run jobs/bridge_demo.yaml` twice, the second time with other budgets: warmup, direction and
+def test_bridge_pipeline_rerun_with_another_budget_skips_the_model(tiny_demo, tmp_path):
+    """The shared tiny demo (tests/tiny_demo.py) re-run on a copy with other budgets: warmup, direction and
     bridge_score are skipped (manifest executions and finish times unchanged); bridge_select and what reads it
-    re-run."""
-    from pathlib import Path
+    re-run (the baselines are left out of the re-run, so their stages keep their first results)."""
+    from tiny_demo import copy_tiny_demo
 
     from raycurate.cli.main import main
 
-    job = str(Path(__file__).resolve().parents[1] / "jobs" / "bridge_demo.yaml")
-    args = ["run", job, f"run.runs_dir={tmp_path}", "run.name=b", "run.progress=false", "data.corpus_rows=80",
-            "data.heldout_rows=4", "data.corpus_bad_lines=0", "eval.max_new_tokens=4", "eval.samples=0",
-            "train.micro_batch_size=2", "train.effective_batch_size=4", "train.max_steps=2", "bridge.baselines=[]",
-            "bridge.diagnostics_rows=0"]
-    assert main(args) == 0
-    before = json.loads((tmp_path / "b" / "manifest.json").read_text())["stages"]
-    assert main([*args, "bridge.rho_p=0.5", "bridge.rho_r=0.5"]) == 0
-    after = json.loads((tmp_path / "b" / "manifest.json").read_text())["stages"]
+    args = copy_tiny_demo(tiny_demo, tmp_path / "demo")
+    before = json.loads((tmp_path / "demo" / "manifest.json").read_text())["stages"]
+    assert main([*args, "bridge.rho_p=0.5", "bridge.rho_r=0.5", "bridge.baselines=[]"]) == 0
+    after = json.loads((tmp_path / "demo" / "manifest.json").read_text())["stages"]
     for stage in ("bridge_warmup", "bridge_direction", "bridge_score"):
         assert after[stage]["executions"] == 1 and after[stage]["finished"] == before[stage]["finished"], stage
     rerun = {name for name in before if after[name]["finished"] != before[name]["finished"]}
-    assert rerun == {"bridge_select", "bridge_compact", "train_bridge", "eval_bridge"}
+    assert rerun == {"bridge_select", "bridge_compact", "bridge_diagnostics", "train_bridge", "eval_bridge",
+                     "lm_eval_bridge"}
     assert after["bridge_select"]["executions"] == 2
     assert after["bridge_select"]["metrics"]["response_budget_ratio"] < before["bridge_select"]["metrics"][
+        "response_budget_ratio"] < before["bridge_select"]["metrics"][
         "response_budget_ratio"]

@@ -6,9 +6,12 @@ import json
 
 import pytest
 
+from tiny_demo import copy_tiny_demo
+
 from raycurate.cli.main import main
 
-# Six Ray Train launches, eight evaluations and two re-runs: ~6-8 min on 2 cores, above the default 600 s.
+# The shared tiny demo (tests/tiny_demo.py: six Ray Train launches, six evaluations) runs once per session; these
+# tests read it, re-run a copy and render its report.
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
 
 
@@ -17,16 +20,8 @@ def _finished(run_dir) -> dict[str, float]:
     return {name: rec["finished"] for name, rec in manifest["stages"].items()}
 
 
-def test_demo_end_to_end_resume_and_rerun_downstream_only(tmp_path, ray_local, capsys):
-    run_dir = tmp_path / "demo"
-    args = [
-        "demo", "--out", str(run_dir), "data.corpus_rows=160", "data.heldout_rows=10", "model.pretrain_steps=10",
-        "model.pretrain_rows=300", f"model.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
-        "eval.max_new_tokens=8", "run.progress=false", "train.micro_batch_size=2", "train.effective_batch_size=4",
-        "bridge.diagnostics_rows=4", "bridge.baselines=[random,token_cleaning]", "demo.methods=[sft,bridge]",
-    ]
-    assert main(args) == 0
-    out = capsys.readouterr().out
+def test_demo_end_to_end_resume_and_rerun_downstream_only(tiny_demo, tmp_path):
+    run_dir, _, out = tiny_demo
     assert "report:" in out and "held-out clean" in out
 
     manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -62,32 +57,30 @@ def test_demo_end_to_end_resume_and_rerun_downstream_only(tmp_path, ray_local, c
     for section in ("Row accounting", "Stage timings", "Held-out evaluation", "Embedded corpus"):
         assert section in report
 
-    before = _finished(run_dir)
+    # Re-runs work on a copy in another folder: nothing in a stage's key depends on where the run directory is.
+    copy = tmp_path / "demo_copy"
+    args = copy_tiny_demo(tiny_demo, copy)
+    before = _finished(copy)
     assert main(args) == 0
-    assert _finished(run_dir) == before, "an unchanged re-run must skip every stage"
+    assert _finished(copy) == before, "an unchanged re-run must skip every stage"
 
-    assert main([*args, "eval.max_new_tokens=9"]) == 0
-    after = _finished(run_dir)
+    assert main([*args, "eval.lm_eval_limit=5"]) == 0
+    after = _finished(copy)
     rerun = {name for name in before if after[name] != before[name]}
-    assert rerun == {name for name in before if name.startswith(("eval_", "lm_eval_"))}
+    assert rerun == {name for name in before if name.startswith("lm_eval_")}, "only lm-eval reads lm_eval_limit"
 
 
-def test_demo_report_renders_in_chromium_without_errors(tmp_path, ray_local):
-    """The demo's own report (not a synthetic one) in headless Chromium; the screenshot stays in the run dir."""
+def test_demo_report_renders_in_chromium_without_errors(tiny_demo, tmp_path):
+    """The demo's own report (not a synthetic one) in headless Chromium."""
     from browser import Chromium, find_chromium
 
     if find_chromium() is None:
         pytest.skip("no chromium on PATH (scripts/install_chromium.sh installs it)")
-    run_dir = tmp_path / "demo"
-    args = ["demo", "--out", str(run_dir), "data.corpus_rows=60", "data.heldout_rows=4", "model.pretrain_steps=5",
-            "model.pretrain_rows=200", f"model.cache_dir={tmp_path / 'cache'}", "train.max_steps=1",
-            "eval.max_new_tokens=4", "run.progress=false", "train.micro_batch_size=2",
-            "train.effective_batch_size=4", "demo.methods=[sft]"]
-    assert main(args) == 0
+    run_dir, _, _ = tiny_demo
     with Chromium() as browser:
         page = browser.open(run_dir / "report.html")
         ids = page.evaluate("[...document.querySelectorAll('h2[id]')].map(h => h.id)")
-        page.screenshot(run_dir / "report.png")
+        page.screenshot(tmp_path / "report.png")
     assert not page.errors, page.errors
     assert {"summary", "rows", "timings", "results", "lm_eval", "corpus"} <= set(ids)
-    assert (run_dir / "report.png").stat().st_size > 10_000
+    assert (tmp_path / "report.png").stat().st_size > 10_000

@@ -101,12 +101,12 @@ def check_rows_accepted(run: RunDir, record: dict, stage: str) -> None:
 def _file_fingerprint(path: str, run: RunDir | None = None) -> dict:
     """Path, size and mtime: enough to notice an edited input without hashing its contents.
 
-    An input inside a remote-backed run's mirror (an upstream stage's output, e.g. the corpus) is named by its
-    run-relative path only: the upstream hash covers its content, while the mirror's absolute path and the
-    downloaded file's mtime differ from machine to machine.
+    An input inside the run directory (an upstream stage's output, e.g. the corpus) is named by its run-relative
+    path only: the upstream hash covers its content, while its absolute path and mtime change when the run directory
+    is copied or moved, or mirrored from remote storage on another machine.
     """
     p = Path(path)
-    if run is not None and run.remote is not None and p.resolve().is_relative_to(run.root):
+    if run is not None and p.resolve().is_relative_to(Path(run.root).resolve()):
         return {"run_path": run.relative(p)}
     if p.is_file():
         stat = p.stat()

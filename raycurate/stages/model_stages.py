@@ -280,5 +280,12 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
                                           for k, v in metrics.items()))
         return StageOutput(outputs={"predictions": "predictions.parquet"}, metrics=metrics)
 
-    config = {"eval": eval_cfg, "max_length": max_length}
-    return run_stage(run, stage, body, config=config, upstream=[model_stage, heldout_stage], force=force)
+    return run_stage(run, stage, body, config=heldout_eval_config(eval_cfg, max_length),
+                     upstream=[model_stage, heldout_stage], force=force)
+
+
+def heldout_eval_config(eval_cfg: Any, max_length: int) -> dict:
+    """What the held-out predictions depend on: the generation settings, not the lm-eval ones, so changing
+    ``eval.lm_eval_*`` re-runs only the ``lm_eval_*`` stages (the actor pool's size is kept: it sets the threads)."""
+    fields = ("max_new_tokens", "batch_size", "samples", "temperature", "seed", "pool")
+    return {"eval": {name: getattr(eval_cfg, name) for name in fields}, "max_length": max_length}
