@@ -261,6 +261,11 @@ def test_task_launcher_matches_ray_train_and_resumes(ray_local, tiny_model, toke
     assert all(np.isfinite(resumed["loss_per_step"]))
     assert sorted(os.listdir(os.path.join(storage, "sft"))) == ["checkpoint_step_00000002",
                                                                 "checkpoint_step_00000004"]
+    # Same folder names: a task also resumes the checkpoint Ray Train wrote.
+    crossed = _launch(f"launcher=task {label} resume Ray Train's run to 4", token_table, tiny_model,
+                      str(tmp_path / "m_ray"), TrainConfig(launcher="task", **{**base, "max_steps": 4}),
+                      storage_dir=str(tmp_path / "s_ray"), name="sft")
+    assert crossed["start_step"] == 2 and crossed["loss_per_step"] == resumed["loss_per_step"]
 
 
 @pytest.mark.slow
