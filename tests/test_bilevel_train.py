@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -324,3 +325,29 @@ def test_omega_is_bit_identical_on_two_deepspeed_workers(ray_local, tiny_model, 
     weights = pq.read_table(os.path.join(out, bds_state.WEIGHTS_FILE)).to_pandas()
     final = weights[weights["step"] == 4]["omega"].to_numpy()
     assert bds_state.omega_digest(final) == digests[0] and np.abs(final).max() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_online_bds_through_the_task_launcher_matches_the_in_process_loop(ray_local, tiny_model, tables, tmp_path):
+    # The generation hook travels to the task; regenerating from the current policy reproduces offline BDS
+    # (see the in-process test above), so the task's curves must equal the in-process offline loop's.
+    cfg = _cfg(max_steps=3, checkpoint_every_steps=2, launcher="task")
+    offline = bt.bds_train_loop(_job(tables, tiny_model, str(tmp_path / "off"), cfg), LocalSession(str(tmp_path / "a")))
+    masked = bmo.masked_questions_fixed(10, 0.5, seed=0)
+    settings = bt.BDSSettings(val_batch=2, cand_batch=2, omega_lr=0.05, seed=3, generation_every=1)
+    storage = str(tmp_path / "storage")
+    started = time.perf_counter()
+    task = bt.run_bds(tables[0], tables[1], tiny_model, str(tmp_path / "task"), cfg, settings, storage_dir=storage,
+                      name="bds", generation_hook=_regenerating_hook(tables[0], masked, []))
+    print(f"[timing] launcher=task online BDS 3 steps: {time.perf_counter() - started:.1f} s")
+    assert task["world_size"] == 1 and task["steps"] == 3 and task["generation_steps"] == [0, 1, 2]
+    assert task["method"] == "bds_online" and sum(task["online_questions_per_step"]) > 0
+    assert task["loss_per_step"] == pytest.approx(offline["loss_per_step"], rel=1e-5)
+    assert task["omega_loss_per_step"] == pytest.approx(offline["omega_loss_per_step"], rel=1e-5)
+    assert sorted(os.listdir(os.path.join(storage, "bds"))) == ["checkpoint_step_00000002",
+                                                                "checkpoint_step_00000003"]
+    assert os.path.exists(os.path.join(storage, "bds", "checkpoint_step_00000003", bds_state.OMEGA_STATE_FILE))
+    a = pq.read_table(os.path.join(tmp_path / "off", bds_state.WEIGHTS_FILE)).column("omega").to_numpy()
+    b = pq.read_table(os.path.join(tmp_path / "task", bds_state.WEIGHTS_FILE)).column("omega").to_numpy()
+    assert np.allclose(a, b, atol=1e-7)

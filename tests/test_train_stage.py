@@ -233,6 +233,64 @@ def test_ddp_two_workers_trains_and_exports(ray_local, tiny_model, token_table, 
     assert any(not torch.equal(v, init[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("engine", [{"engine": "ddp"}, {"engine": "deepspeed", "zero_stage": 2}],
+                         ids=["ddp", "deepspeed-zero2"])
+def test_task_launcher_matches_ray_train_and_resumes(ray_local, tiny_model, token_table, tmp_path, engine):
+    # One worker either way: the same seed, data order, thread count (1) and 1-rank gloo group, so the task must
+    # reproduce Ray Train's losses bit for bit.
+    base = dict(num_workers=1, micro_batch_size=2, effective_batch_size=4, max_steps=2, checkpoint_every_steps=2,
+                lr=1e-2, seed=5, log_every_steps=1, **engine)
+    label = engine["engine"]
+    ray_train = _launch(f"launcher=ray_train {label} 2 steps", token_table, tiny_model, str(tmp_path / "m_ray"),
+                        TrainConfig(**base), storage_dir=str(tmp_path / "s_ray"), name="sft")
+    storage, out = str(tmp_path / "s_task"), str(tmp_path / "m_task")
+    task = _launch(f"launcher=task {label} 2 steps", token_table, tiny_model, out,
+                   TrainConfig(launcher="task", **base), storage_dir=storage, name="sft")
+    assert task["world_size"] == 1 and task["steps"] == 2 and task["examples"] == 8
+    assert task["loss_per_step"] == ray_train["loss_per_step"]
+    assert task["lr_per_step"] == ray_train["lr_per_step"]
+    _assert_same_weights(out, str(tmp_path / "m_ray"), atol=0)
+    assert sorted(os.listdir(os.path.join(storage, "sft"))) == ["checkpoint_step_00000002"]
+
+    resumed = _launch(f"launcher=task {label} resume to 4", token_table, tiny_model, out,
+                      TrainConfig(launcher="task", **{**base, "max_steps": 4}), storage_dir=storage, name="sft")
+    assert resumed["start_step"] == 2 and resumed["steps"] == 4
+    assert resumed["loss_per_step"][:2] == task["loss_per_step"]
+    assert all(np.isfinite(resumed["loss_per_step"]))
+    assert sorted(os.listdir(os.path.join(storage, "sft"))) == ["checkpoint_step_00000002",
+                                                                "checkpoint_step_00000004"]
+    # Same folder names: a task also resumes the checkpoint Ray Train wrote.
+    crossed = _launch(f"launcher=task {label} resume Ray Train's run to 4", token_table, tiny_model,
+                      str(tmp_path / "m_ray"), TrainConfig(launcher="task", **{**base, "max_steps": 4}),
+                      storage_dir=str(tmp_path / "s_ray"), name="sft")
+    assert crossed["start_step"] == 2 and crossed["loss_per_step"] == resumed["loss_per_step"]
+
+
+@pytest.mark.slow
+def test_task_worker_runs_deepspeed_twice_in_one_process(tiny_model, token_table, tmp_path):
+    # Ray reuses a task's process: the second run must get a fresh process group and DeepSpeed state.
+    from raycurate.stages.train import sft_entry, task_worker
+
+    cfg = TrainConfig(launcher="task", engine="deepspeed", zero_stage=2, num_workers=1, micro_batch_size=2,
+                      effective_batch_size=4, max_steps=2, lr=1e-2, seed=5)
+    threads, runs = torch.get_num_threads(), []
+    try:
+        for i in range(2):
+            job = SFTJob(token_table, tiny_model, str(tmp_path / f"model_{i}"), cfg, False, 1.0)
+            task_worker(sft_entry, {"job": job}, str(tmp_path / f"storage_{i}" / "sft"), 2, False,
+                        {"DS_ACCELERATOR": "cpu"})
+            with open(os.path.join(job.output_dir, METRICS_FILE)) as f:
+                runs.append(json.load(f))
+    finally:
+        torch.set_num_threads(threads)  # prepare_worker set this process's threads to the task's 1 CPU
+    assert not torch.distributed.is_initialized()
+    assert runs[0]["steps"] == runs[1]["steps"] == 2
+    assert runs[0]["loss_per_step"] == runs[1]["loss_per_step"]
+    assert os.path.isdir(tmp_path / "storage_1" / "sft" / "checkpoint_step_00000002")
+
+
 def test_resync_schedule_puts_an_extended_run_on_its_new_schedule():
     from raycurate.training.engines import optimizer_and_schedule, resync_schedule
 

@@ -6,6 +6,10 @@ Batch arithmetic: every optimizer step consumes ``effective_batch_size`` example
 
 ``use_gpu`` and ``bf16`` are tri-state: ``null`` (the default) means "decide from the hardware"
 (GPU iff the Ray cluster has GPUs; bf16 iff training runs on CUDA), ``true``/``false`` force it.
+
+``launcher``: ``ray_train`` starts a ``TorchTrainer`` worker group (tens of seconds per stage on a small machine);
+``task`` runs the same worker function in one Ray task, whose process Ray reuses, so single-worker laptop and CI
+runs pay the start-up and the torch/DeepSpeed imports once.  Multi-worker DDP/DeepSpeed stays on ``ray_train``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raycurate.config.base import option
+
+LAUNCHERS = ("ray_train", "task")
 
 
 @dataclass
@@ -25,6 +31,11 @@ class TrainConfig:
     zero_stage: int = option(2, "DeepSpeed ZeRO stage (0 = plain data parallel, 3 = partitioned parameters).",
                              choices=(0, 1, 2, 3))
     num_workers: int = option(2, "Ray Train workers (data-parallel ranks).", ge=1)
+    launcher: str = option(
+        "ray_train", "How the workers start: ray_train (a TorchTrainer worker group, any num_workers) or task (one "
+        "reused Ray task process; num_workers=1 only; skips the ~25 s worker-group start-up of laptop/CI runs).",
+        choices=LAUNCHERS,
+    )
     cpus_per_worker: float | None = option(
         None, "CPUs reserved per worker; null sizes it from the cluster so the pool fits beside the driver.", gt=0
     )
@@ -52,14 +63,21 @@ class TrainConfig:
     )
     offload_params: bool = option(False, "ZeRO-3 parameter offload to CPU memory (DeepSpeed, zero_stage=3 only).")
     max_failures: int = option(
-        0, "Ray Train FailureConfig: worker-group restarts after a worker dies; each restart resumes from the "
-        "latest checkpoint (-1 = unlimited).", ge=-1
+        0, "Ray Train FailureConfig (launcher=task: the task's max_retries): restarts after a worker dies or "
+        "raises; each restart resumes from the latest checkpoint (-1 = unlimited).", ge=-1
     )
     log_every_steps: int = option(10, "Rank 0 logs loss and learning rate every N optimizer steps.", ge=1)
 
+    def launcher_problems(self) -> list[str]:
+        """``launcher=task`` runs one process, so it needs exactly one worker."""
+        if self.launcher == "task" and self.num_workers != 1:
+            return [f"train.launcher=task runs one worker process, but train.num_workers={self.num_workers}; set "
+                    "train.num_workers=1, or use train.launcher=ray_train for data-parallel workers"]
+        return []
+
     def config_problems(self) -> list[str]:
         """Batch arithmetic and engine options that only work together."""
-        problems = []
+        problems = self.launcher_problems()
         per_pass = self.micro_batch_size * self.num_workers
         if self.effective_batch_size % per_pass:
             problems.append(

@@ -64,7 +64,7 @@ import numpy as np
 
 from raycurate.algorithms import bilevel, bmo
 from raycurate.config.train import TrainConfig
-from raycurate.stages.train import RaySession, launch_trainer, worker_resources
+from raycurate.stages.train import check_launcher, launch_trainer, worker_resources
 from raycurate.training.batches import TokenTable, load_token_table, stack_tables, to_device
 from raycurate.training.bds_online import (
     ONLINE_STATE_FILE,
@@ -554,10 +554,10 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
     return metrics
 
 
-def _ray_worker_entry(config: dict[str, Any]) -> None:
-    """``train_loop_per_worker`` for ``TorchTrainer``."""
+def bds_entry(config: dict[str, Any], session: TrainSession) -> None:
+    """Worker entry of ``launch_trainer`` for BDS: ``config`` holds ``job`` and (or None) ``generation_hook``."""
     prepare_worker(config["job"])
-    bds_train_loop(config["job"], RaySession(), config.get("generation_hook"))
+    bds_train_loop(config["job"], session, config.get("generation_hook"))
 
 
 # --------------------------------------------------------------------------------------------- driver
@@ -568,8 +568,6 @@ def run_bds(candidate_table: str, validation_table: str, init_model: str, output
             generation_hook: GenerationHook | None = None) -> dict:
     """Learn omega and fine-tune ``init_model`` with BDS on Ray Train (online BMO with a generation hook).
 
-    Resumes from the latest checkpoint in ``storage_dir/name`` when there is one.
-
     Args:
         candidate_table: Token table (parquet file or directory) of the low-quality candidates.
         validation_table: Token table of the high-quality validation set (the upper level).
@@ -577,7 +575,7 @@ def run_bds(candidate_table: str, validation_table: str, init_model: str, output
         output_dir: Where the HF model, tokenizer files, ``train_metrics.json`` and ``weights.parquet`` go.
         cfg: theta's training config (engine, workers, lr, micro/effective batch, epochs, ...).
         bds_cfg: Bilevel settings.
-        storage_dir: Ray Train storage (checkpoints); the same ``storage_dir`` and ``name`` resume.
+        storage_dir: Checkpoint storage; a run resumes from the latest checkpoint in ``storage_dir/name``.
         name: Ray Train run name.
         adapter: ``raycurate.models.adapters`` spec (e.g. ``{"kind": "lora", "r": 16, "alpha": 16}``), or None
             for full fine-tuning.
@@ -588,13 +586,14 @@ def run_bds(candidate_table: str, validation_table: str, init_model: str, output
         The metrics of ``train_metrics.json`` (SFT's plus ``gamma_per_step``, ``val_loss_per_step``,
         ``cand_loss_per_step``, ``omega_loss_per_step``, ``omega_digests``, ``weights_file``, ...).
     """
-    check_bds_batches(cfg, bds_cfg, cfg.num_workers)  # fail on the driver, before any worker starts
+    check_launcher(cfg)  # fail on the driver, before any worker starts
+    check_bds_batches(cfg, bds_cfg, cfg.num_workers)
     if not os.path.isdir(init_model):
         raise FileNotFoundError(f"init_model={init_model} is not a directory; pass a local HF checkpoint dir.")
     use_gpu, cpus = worker_resources(cfg)
     job = BDSJob(os.path.abspath(candidate_table), os.path.abspath(validation_table), os.path.abspath(init_model),
                  os.path.abspath(output_dir), cfg, bds_cfg, use_gpu, cpus, adapter)
-    launch_trainer(_ray_worker_entry, {"job": job, "generation_hook": generation_hook}, cfg, use_gpu, cpus,
+    launch_trainer(bds_entry, {"job": job, "generation_hook": generation_hook}, cfg, use_gpu, cpus,
                    storage_dir=storage_dir, name=name)
     with open(os.path.join(job.output_dir, METRICS_FILE)) as f:
         return json.load(f)

@@ -16,7 +16,11 @@ is :mod:`raycurate.training` (no Ray).  The worker loop is a chain of small, rep
 (:mod:`~raycurate.training.checkpoint`) -> ``export_hf`` (:mod:`~raycurate.training.export`).  :func:`train_loop`
 runs against the small :class:`~raycurate.training.session.TrainSession` interface; :class:`RaySession` implements it
 on Ray Train (it stays here: it is the only piece that needs ``ray.train``), and a test double runs the same loop
-in-process without Ray.
+in-process without Ray.  :func:`launch_trainer` hands a worker entry (:func:`sft_entry`, or BDS's) its session:
+``train.launcher=ray_train`` starts a TorchTrainer worker group with a :class:`RaySession` on each worker;
+``train.launcher=task`` (one worker only) runs the entry in one Ray task with a
+:class:`~raycurate.training.session.TaskSession` and a 1-rank process group, skipping the worker-group start-up
+(Ray reuses the task's process, so later stages also skip the torch/DeepSpeed imports).
 
 Decisions:
 
@@ -31,7 +35,8 @@ Decisions:
 * Resume on a different worker count (universal checkpoints) and the DeepSpeed 0.19 repairs:
   :mod:`raycurate.training.zero_checkpoint`.
 * Worker failures: ``train.max_failures`` is Ray Train's ``FailureConfig``; a restarted worker group resumes from
-  the latest checkpoint in the same ``fit()``.
+  the latest checkpoint in the same ``fit()``.  With ``launcher=task`` it is the task's ``max_retries`` (exceptions
+  retried too, like Ray Train) and a retried task resumes from the newest ``checkpoint_step_*`` folder.
 * Outputs: ``output_dir`` (written by rank 0, atomically) holds the HF checkpoint (safetensors), the tokenizer
   files copied from ``init_model`` and ``train_metrics.json``.  On a multi-node cluster ``output_dir`` and
   ``storage_dir`` must be on storage shared by the workers and the driver.
@@ -40,6 +45,7 @@ Decisions:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -56,10 +62,13 @@ from raycurate.training.export import METRICS_FILE, export_hf, run_metrics
 from raycurate.training.order import epoch_order, micro_batch_rows, should_checkpoint, steps_per_epoch, total_steps
 from raycurate.training.session import (
     FAULT_ENV,
+    TaskSession,
     TrainSession,
     build_resumed_engine,
     maybe_inject_fault,
     prepare_worker,
+    scoped_env,
+    single_rank_process_group,
 )
 
 logger = logging.getLogger(__name__)
@@ -199,10 +208,10 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
     return metrics
 
 
-def _ray_worker_entry(config: dict[str, Any]) -> None:
-    """``train_loop_per_worker`` for ``TorchTrainer``."""
+def sft_entry(config: dict[str, Any], session: TrainSession) -> None:
+    """The worker entry point of :func:`launch_trainer` for SFT (``config["job"]``: an :class:`SFTJob`)."""
     prepare_worker(config["job"])
-    train_loop(config["job"], RaySession())
+    train_loop(config["job"], session)
 
 
 # --------------------------------------------------------------------------------------------- driver
@@ -236,14 +245,15 @@ def run_sft(train_table: str, init_model: str, output_dir: str, cfg: TrainConfig
         The metrics of ``train_metrics.json``: ``loss_per_step``, ``steps``, ``start_step``, ``tokens``,
         ``supervised_tokens``, ``seconds``, ...
     """
-    grad_accum_steps(cfg, cfg.num_workers)  # fail on the driver, before any worker starts
+    check_launcher(cfg)  # fail on the driver, before any worker starts
+    grad_accum_steps(cfg, cfg.num_workers)
     check_offload(cfg)
     if not os.path.isdir(init_model):
         raise FileNotFoundError(f"init_model={init_model} is not a directory; pass a local HF checkpoint dir.")
     use_gpu, cpus = worker_resources(cfg)
     job = SFTJob(os.path.abspath(train_table), os.path.abspath(init_model), os.path.abspath(output_dir),
                  cfg, use_gpu, cpus, adapter)
-    launch_trainer(_ray_worker_entry, {"job": job}, cfg, use_gpu, cpus, storage_dir=storage_dir, name=name)
+    launch_trainer(sft_entry, {"job": job}, cfg, use_gpu, cpus, storage_dir=storage_dir, name=name)
     with open(os.path.join(job.output_dir, METRICS_FILE)) as f:
         return json.load(f)
 
@@ -257,8 +267,37 @@ def worker_resources(cfg: TrainConfig) -> tuple[bool, float]:
     return use_gpu, actor_cpus(cfg.cpus_per_worker, cfg.num_workers, cluster_cpus())
 
 
-def launch_trainer(entry: Callable[[dict], None], loop_config: dict[str, Any], cfg: TrainConfig, use_gpu: bool,
+WorkerEntry = Callable[[dict[str, Any], TrainSession], None]
+
+
+def check_launcher(cfg: TrainConfig) -> None:
+    """Raise ``ValueError`` (naming the settings to change) when ``cfg.launcher`` cannot run ``cfg.num_workers``."""
+    problems = cfg.launcher_problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def launch_trainer(entry: WorkerEntry, loop_config: dict[str, Any], cfg: TrainConfig, use_gpu: bool,
                    cpus: float, *, storage_dir: str, name: str) -> None:
+    """Run ``entry(loop_config, session)`` on every worker; checkpoints (and resume) in ``storage_dir/name``.
+
+    ``cfg.launcher`` picks the runtime: ``ray_train`` runs ``cfg.num_workers`` TorchTrainer workers with a
+    :class:`RaySession`; ``task`` runs one Ray task with a :class:`~raycurate.training.session.TaskSession`.
+    """
+    check_launcher(cfg)
+    if cfg.launcher == "task":
+        launch_task(entry, loop_config, cfg, use_gpu, cpus, storage_dir=storage_dir, name=name)
+    else:
+        launch_torch_trainer(entry, loop_config, cfg, use_gpu, cpus, storage_dir=storage_dir, name=name)
+
+
+def ray_train_worker(entry: WorkerEntry, config: dict[str, Any]) -> None:
+    """``train_loop_per_worker`` of the TorchTrainer (bound to ``entry`` with ``functools.partial``)."""
+    entry(config, RaySession())
+
+
+def launch_torch_trainer(entry: WorkerEntry, loop_config: dict[str, Any], cfg: TrainConfig, use_gpu: bool,
+                         cpus: float, *, storage_dir: str, name: str) -> None:
     """Run ``entry`` on ``cfg.num_workers`` Ray Train workers (TorchTrainer); resumes ``storage_dir/name``."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -267,7 +306,7 @@ def launch_trainer(entry: Callable[[dict], None], loop_config: dict[str, Any], c
     if use_gpu:
         resources["GPU"] = 1
     trainer = TorchTrainer(
-        entry,
+        functools.partial(ray_train_worker, entry),
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
@@ -279,3 +318,30 @@ def launch_trainer(entry: Callable[[dict], None], loop_config: dict[str, Any], c
         ),
     )
     trainer.fit()
+
+
+def task_worker(entry: WorkerEntry, loop_config: dict[str, Any], run_dir: str, keep_checkpoints: int,
+                use_gpu: bool, env: dict[str, str]) -> None:
+    """The body of the ``launcher=task`` Ray task: worker env, a 1-rank process group, ``entry`` on a TaskSession.
+
+    The env and the group are undone on exit because Ray reuses the process for later tasks.
+    """
+    with scoped_env(env), single_rank_process_group(use_gpu):
+        entry(loop_config, TaskSession(run_dir, keep_checkpoints, use_gpu))
+
+
+def launch_task(entry: WorkerEntry, loop_config: dict[str, Any], cfg: TrainConfig, use_gpu: bool, cpus: float, *,
+                storage_dir: str, name: str) -> None:
+    """Run ``entry`` in one Ray task (``cfg.num_workers`` must be 1); resumes ``storage_dir/name``.
+
+    ``cfg.max_failures`` is the task's ``max_retries``, with exceptions retried too, as Ray Train's
+    ``FailureConfig`` restarts the worker group after a worker dies or raises; each retry resumes from the newest
+    checkpoint.
+    """
+    import ray
+
+    task = ray.remote(task_worker).options(num_cpus=cpus, num_gpus=1 if use_gpu else 0,
+                                           max_retries=cfg.max_failures, retry_exceptions=True,
+                                           name=f"train:{name}")
+    run_dir = os.path.join(os.path.abspath(storage_dir), name)
+    ray.get(task.remote(entry, loop_config, run_dir, cfg.keep_checkpoints, use_gpu, _worker_env(use_gpu)))

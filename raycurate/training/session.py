@@ -11,9 +11,15 @@ the *current* run's total steps, so extending a run changes the remaining schedu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any, ContextManager, Protocol
+import re
+import shutil
+import sys
+import tempfile
+import uuid
+from typing import Any, ContextManager, Iterator, Protocol
 
 from raycurate.config.train import TrainConfig
 from raycurate.training.checkpoint import TrainState, read_trainer_state
@@ -22,6 +28,7 @@ from raycurate.training.engines import build_model_engine
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "RAYCURATE_FAULT_KILL"
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint_step_(\d{8})$")  # Ray Train's folder names (checkpoint_dir_name)
 
 
 class TrainSession(Protocol):
@@ -106,3 +113,107 @@ def maybe_inject_fault(session: TrainSession, step: int) -> None:
             f.write(f"killed rank {rank} after step {step}\n")
         logger.warning("fault injection: killing rank %d after step %d", rank, step)
         os._exit(1)
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """``checkpoint_step_<8 digits>``: the checkpoint folder of optimizer step ``step`` (as reported to Ray Train)."""
+    return f"checkpoint_step_{step:08d}"
+
+
+class TaskSession:
+    """:class:`TrainSession` of a single process (rank 0 of 1) that keeps its checkpoints in ``run_dir``.
+
+    Checkpoints are ``run_dir/checkpoint_step_<8 digits>`` (Ray Train's folder naming), each copied to a hidden
+    temp folder and renamed into place, so a folder with that name is always complete; the newest
+    ``keep_checkpoints`` are kept.  A killed and re-run task resumes from the newest one.
+
+    Args:
+        run_dir: The run's checkpoint folder (``storage_dir/name``); created when missing.
+        keep_checkpoints: Most recent checkpoints kept.
+        use_gpu: Train on ``cuda`` (the task's one GPU) instead of the CPU.
+    """
+
+    rank, local_rank, world_size = 0, 0, 1
+
+    def __init__(self, run_dir: str, keep_checkpoints: int, use_gpu: bool = False) -> None:
+        import torch
+
+        self.run_dir, self.keep = os.path.abspath(run_dir), keep_checkpoints
+        self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        os.makedirs(self.run_dir, exist_ok=True)
+
+    def checkpoints(self) -> list[str]:
+        """The complete checkpoint folders, oldest first (by step)."""
+        steps = sorted(int(m.group(1)) for m in map(CHECKPOINT_PATTERN.match, os.listdir(self.run_dir)) if m)
+        return [os.path.join(self.run_dir, checkpoint_dir_name(step)) for step in steps]
+
+    @contextlib.contextmanager
+    def restore_dir(self) -> Iterator[str | None]:
+        saved = self.checkpoints()
+        yield saved[-1] if saved else None
+
+    latest_checkpoint_dir = restore_dir  # reports are synchronous: the newest folder is the last reported one
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        """Copy ``checkpoint_dir`` to ``checkpoint_step_<metrics["step"]>`` atomically and prune old ones."""
+        if checkpoint_dir is None:
+            return
+        final = os.path.join(self.run_dir, checkpoint_dir_name(metrics["step"]))
+        tmp = os.path.join(self.run_dir, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
+        shutil.copytree(checkpoint_dir, tmp)
+        if os.path.exists(final):  # the same step written again (a re-run that re-trains it): the new one wins
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        for old in self.checkpoints()[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def scoped_env(env: dict[str, str]) -> Iterator[None]:
+    """Set ``env`` in ``os.environ`` and restore the previous values on exit (for a process that runs many tasks)."""
+    previous = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def single_rank_process_group(use_gpu: bool) -> Iterator[None]:
+    """A 1-rank torch.distributed group (gloo, or nccl on GPU) for the engines, destroyed on exit.
+
+    Nothing is done when a group already exists.  The group rendezvouses through a private file, so concurrent
+    tasks on one node never race for a port; the launcher variables DeepSpeed reads (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) are set for the duration.  Teardown goes through DeepSpeed's
+    ``destroy_process_group`` when DeepSpeed used the group, which also drops the groups DeepSpeed cached, so the
+    next task in the same process starts clean.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    launcher_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": "29500"}  # read, never bound: the group is initialised through the file
+    with tempfile.TemporaryDirectory(prefix="raycurate-pg-") as tmp, scoped_env(launcher_env):
+        dist.init_process_group("nccl" if use_gpu else "gloo", init_method=f"file://{tmp}/rendezvous", rank=0,
+                                world_size=1)
+        try:
+            yield
+        finally:
+            _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    ds_comm = sys.modules.get("deepspeed.comm")
+    if ds_comm is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()
+    elif dist.is_initialized():
+        dist.destroy_process_group()
