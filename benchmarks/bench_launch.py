@@ -29,7 +29,6 @@ def write_token_table(path: str, rows: int = 16) -> str:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
-
     from train_helpers import VOCAB
 
     rng = np.random.default_rng(0)

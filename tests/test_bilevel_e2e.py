@@ -18,6 +18,7 @@ def test_bilevel_pipeline_end_to_end(tmp_path, ray_local):
         "data.heldout_rows=6", "data.corpus_bad_lines=0", "model.pretrain_steps=10", "model.pretrain_rows=300",
         f"model.cache_dir={tmp_path / 'cache'}", "eval.max_new_tokens=8", "run.progress=false",
         "train.micro_batch_size=2", "train.effective_batch_size=8", "bilevel.epochs=1",
+        "train.num_workers=1", "train.launcher=task",  # one reused Ray task per training: no Ray Train start-up
         "data.split_ratios={warmup: 0.05, validation: 0.25, selection: 0.70}",
         "bilevel.generation_every=3", "bilevel.max_new_tokens=8", "bilevel.less_dim=64",
         "bilevel.methods=[bds,online,mix_1,dsir,less]",

@@ -15,7 +15,8 @@ import pytest
 from raycurate.algorithms.composition import keep_count, ranked_ids
 from raycurate.cli.main import main
 
-# Six Ray Train launches (BRIDGE warmup, BDS, four SFTs) and four evaluations on the committed 2-layer model.
+# Six single-worker trainings (BRIDGE warmup, BDS, four SFTs) in one reused Ray task each (train.launcher=task: no
+# Ray Train start-up per stage) and four evaluations on the committed 2-layer model.
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1200)]
 
 
@@ -29,7 +30,7 @@ def test_curate_bds_then_bridge_matches_token_budgets_and_records_paired_cis(tmp
         "run.progress=false", "data.corpus_rows=120", "data.heldout_rows=8", "data.corpus_bad_lines=0",
         "data.split_ratios={warmup: 0.1, validation: 0.2, selection: 0.7}",
         "tokenize.num_actors=1", "bridge_pool.num_actors=1", "eval.pool.num_actors=1", "eval.max_new_tokens=8",
-        "eval.samples=2", "eval.lm_eval_tasks=[]", "train.engine=ddp", "train.num_workers=1",
+        "eval.samples=2", "eval.lm_eval_tasks=[]", "train.engine=ddp", "train.num_workers=1", "train.launcher=task",
         "train.micro_batch_size=4", "train.effective_batch_size=8", "train.max_steps=2", "bridge.micro_batch=16",
     ]
     started = time.time()

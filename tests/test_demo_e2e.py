@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from tiny_demo import copy_tiny_demo
 
 from raycurate.cli.main import main

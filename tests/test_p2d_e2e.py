@@ -19,7 +19,8 @@ def test_p2d_pipeline_end_to_end(tmp_path, ray_local):
         "run", "jobs/p2d_demo.yaml", f"run.runs_dir={tmp_path}", "run.name=p2d", "data.corpus_rows=120",
         "data.heldout_rows=6", "data.corpus_bad_lines=0", "model.pretrain_steps=10", "model.pretrain_rows=300",
         f"model.cache_dir={tmp_path / 'cache'}", "eval.max_new_tokens=8", "run.progress=false",
-        "train.micro_batch_size=2", "train.effective_batch_size=4", "train.max_steps=2", "p2d.proxy_examples=16",
+        "train.micro_batch_size=2", "train.effective_batch_size=4", "train.max_steps=2",
+        "train.num_workers=1", "train.launcher=task", "p2d.proxy_examples=16",
         "p2d.proxy_steps=2", "p2d.epochs=1", "p2d.rounds=2", "p2d.baselines=[random_heads,lora,full_data]",
     ]
     assert main(args) == 0

@@ -14,7 +14,7 @@ from typing import Any
 
 from raycurate.algorithms.stats import bootstrap_mean_ci, paired_bootstrap_ci
 from raycurate.report.charts import esc, table
-from raycurate.report.curation import aligned_scores
+from raycurate.report.curation import aligned_scores, format_ci
 
 COMPOSITION = "composition"
 
@@ -50,14 +50,6 @@ def score_arms(run_dir: str | Path, manifest: dict, arms: dict[str, dict], *, re
     return {"metric": metric, "metric_label": label, "questions": len(base), "arms": out}
 
 
-def _ci(est: dict | None, signed: bool = False) -> str:
-    if not est:
-        return ""
-    sign = "+" if signed else ""
-    verdict = "" if not signed else (" *" if est["low"] > 0 or est["high"] < 0 else " (noise)")
-    return f"{est['value']:{sign}.3f} [{est['low']:{sign}.3f}, {est['high']:{sign}.3f}]{verdict}"
-
-
 def section_composition(run_dir: Path, manifest: dict) -> str:
     """The "Composition" table: each arm's rows, response tokens (share of the budget T), clean share, held-out
     score and composition minus arm."""
@@ -72,7 +64,7 @@ def section_composition(run_dir: Path, manifest: dict) -> str:
         tokens = arm.get("response_tokens", 0)
         share = "" if arm.get("clean_share") is None else f"{arm['clean_share']:.3f}"
         rows.append([name, arm.get("rows", ""), f"{tokens} ({tokens / budget:.3f})" if budget else tokens, share,
-                     _ci(arm.get("score")), _ci(arm.get("vs_composition"), True)])
+                     format_ci(arm.get("score")), format_ci(arm.get("vs_composition"), True)])
     label = esc(block.get("metric_label", "held-out score"))
     return (f"<h2 id='composition'>Composition</h2><p>Steps {steps} (keep fraction {block.get('keep_fraction')}, "
             f"BDS mode {esc(block.get('bds_mode', ''))}) against each step alone over the whole pool and seeded "

@@ -209,7 +209,9 @@ def record_curation(run: Any) -> dict:
     return comparisons
 
 
-def _ci(est: dict | None, signed: bool = False) -> str:
+def format_ci(est: dict | None, signed: bool = False) -> str:
+    """``value [low, high]`` of an estimate dict; ``signed`` (a difference) adds `` *`` when the interval excludes
+    0 and `` (noise)`` when it does not."""
     if not est:
         return ""
     sign = "+" if signed else ""
@@ -240,13 +242,13 @@ def section_curation(run_dir: Path, manifest: dict) -> str:
              "several). <b>*</b> marks a difference whose interval excludes 0; <i>(noise)</i> one that does not.</p>"]
     oracle = comparisons.get("oracle")
     if oracle:
-        parts.append(f"<p>Oracle gap (SFT on the clean rows minus SFT on all rows): <b>{_ci(oracle, True)}</b>; "
-                     f"mixed {_ci(models['mixed'])}, clean {_ci(models['clean'])}. "
+        parts.append(f"<p>Oracle gap (SFT on the clean rows minus SFT on all rows): <b>{format_ci(oracle, True)}</b>; "
+                     f"mixed {format_ci(models['mixed'])}, clean {format_ci(models['clean'])}. "
                      + ("A method can close at most this gap." if oracle["low"] > 0 else
                         "<span class='bad'>The interval includes 0: on this corpus no method can show a gain "
                         "over the mixed corpus.</span>") + "</p>")
-    rows = [[m["label"], m["selection"].get("budget", ""), _selection_text(m["selection"]), _ci(m["score"]),
-             m["baseline"] or "", _ci(m.get("vs_baseline"), True), _ci(m["vs_mixed"], True),
+    rows = [[m["label"], m["selection"].get("budget", ""), _selection_text(m["selection"]), format_ci(m["score"]),
+             m["baseline"] or "", format_ci(m.get("vs_baseline"), True), format_ci(m["vs_mixed"], True),
              "" if m.get("gap_closed") is None else f"{m['gap_closed']:.2f}", f"{m['seconds']:.0f}"]
             for m in comparisons["methods"]]
     if rows:
