@@ -220,5 +220,4 @@ def test_bridge_pipeline_rerun_with_another_budget_skips_the_model(tiny_demo, tm
                      "lm_eval_bridge"}
     assert after["bridge_select"]["executions"] == 2
     assert after["bridge_select"]["metrics"]["response_budget_ratio"] < before["bridge_select"]["metrics"][
-        "response_budget_ratio"] < before["bridge_select"]["metrics"][
         "response_budget_ratio"]
