@@ -285,7 +285,8 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
 
 
 def heldout_eval_config(eval_cfg: Any, max_length: int) -> dict:
-    """What the held-out predictions depend on: the generation settings, not the lm-eval ones, so changing
-    ``eval.lm_eval_*`` re-runs only the ``lm_eval_*`` stages (the actor pool's size is kept: it sets the threads)."""
-    fields = ("max_new_tokens", "batch_size", "samples", "temperature", "seed", "pool")
-    return {"eval": {name: getattr(eval_cfg, name) for name in fields}, "max_length": max_length}
+    """What the held-out predictions depend on: every ``eval`` setting except the ``lm_eval_*`` ones, so changing
+    those re-runs only the ``lm_eval_*`` stages, while a setting added later is keyed by default."""
+    settings = {f.name: getattr(eval_cfg, f.name) for f in dataclasses.fields(eval_cfg)
+                if not f.name.startswith("lm_eval_")}
+    return {"eval": settings, "max_length": max_length}
