@@ -289,6 +289,9 @@ def test_task_worker_runs_deepspeed_twice_in_one_process(tiny_model, token_table
     assert runs[0]["steps"] == runs[1]["steps"] == 2
     assert runs[0]["loss_per_step"] == runs[1]["loss_per_step"]
     assert os.path.isdir(tmp_path / "storage_1" / "sft" / "checkpoint_step_00000002")
+    from deepspeed.comm import comm as ds_comm
+
+    assert ds_comm.cdb is not None and ds_comm.cdb.shm_comm_op is None  # never JIT-built (engines.py says why)
 
 
 def test_resync_schedule_puts_an_extended_run_on_its_new_schedule():

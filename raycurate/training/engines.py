@@ -152,6 +152,18 @@ class DDPEngine:
         return self.module.state_dict()
 
 
+def skip_shared_memory_comm_op(deepspeed: Any) -> None:
+    """Stop DeepSpeed's CPU backend from JIT-building its shared-memory all-reduce op (``deepspeed_shm_comm``).
+
+    Only ``inference_all_reduce`` uses that op; training reduces through torch.distributed. Building it costs a
+    C++ compile on each fresh machine, and a process killed while compiling (a timed-out test, a killed worker)
+    leaves torch's build lock behind, so every later DeepSpeed start on that machine waits on the lock forever.
+    DeepSpeed caches its op-compatibility table in ``deepspeed.ops``; marking the op incompatible makes
+    ``build_shm_op`` return None.
+    """
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class DeepSpeedEngine:
     """DeepSpeed ZeRO engine around a client AdamW + LambdaLR, inside an already-initialised process group.
 
@@ -171,6 +183,7 @@ class DeepSpeedEngine:
         self.zero_stage, self.peak_lr, self.load_universal = cfg.zero_stage, cfg.lr, load_universal
         self.export_dtype = torch.bfloat16 if bf16 else torch.float32
         config = deepspeed_config(cfg, world, bf16, on_gpu=device.type == "cuda", load_universal=load_universal)
+        skip_shared_memory_comm_op(deepspeed)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
