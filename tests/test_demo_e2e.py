@@ -9,7 +9,7 @@ from tiny_demo import copy_tiny_demo
 
 from raycurate.cli.main import main
 
-# The shared tiny demo (tests/tiny_demo.py: six Ray Train launches, six evaluations) runs once per session; these
+# The shared tiny demo (tests/tiny_demo.py: six trainings, six evaluations) runs once per session; these
 # tests read it, re-run a copy and render its report.
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
 

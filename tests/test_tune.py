@@ -36,6 +36,7 @@ def test_two_trial_sweep_scores_once_and_writes_table_and_best_config(tmp_path, 
         f"run.runs_dir={tmp_path}", "data.corpus_rows=80", "data.heldout_rows=4", "data.corpus_bad_lines=0",
         "model.pretrain_steps=10", "model.pretrain_rows=300", f"model.cache_dir={tmp_path / 'cache'}",
         "eval.max_new_tokens=4", "train.micro_batch_size=2", "train.effective_batch_size=4",
+        "train.num_workers=1", "train.launcher=task",
         "p2d.proxy_examples=8", "p2d.proxy_steps=2", "p2d.epochs=1", "p2d.rounds=1", "p2d.baselines=[]",
     ]
     sweep.write_text(yaml.safe_dump({

@@ -1,4 +1,5 @@
-"""One small `raycurate demo` (sft + BRIDGE with the random and token_cleaning baselines: six Ray Train launches),
+"""One small `raycurate demo` (sft + BRIDGE with the random and token_cleaning baselines: six trainings, each one
+reused Ray task with ``train.launcher=task``; the Ray Train worker-group path is tested in test_train_stage.py),
 run once per session by the ``tiny_demo`` fixture (conftest.py) and shared by the slow tests that read it or re-run
 it with a changed setting; those re-run a copy."""
 
@@ -11,7 +12,7 @@ TINY_DEMO_OVERRIDES = [
     "data.corpus_rows=160", "data.heldout_rows=10", "model.pretrain_steps=10", "model.pretrain_rows=300",
     "train.max_steps=2", "eval.max_new_tokens=8", "run.progress=false", "train.micro_batch_size=2",
     "train.effective_batch_size=4", "bridge.diagnostics_rows=4", "bridge.baselines=[random,token_cleaning]",
-    "demo.methods=[sft,bridge]",
+    "demo.methods=[sft,bridge]", "train.num_workers=1", "train.launcher=task",
 ]
 
 
