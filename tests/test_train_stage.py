@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import numpy as np
@@ -388,10 +389,28 @@ def _assert_same_weights(dir_a: str, dir_b: str, atol: float) -> None:
 
 def _extend(token_table, tiny_model, tmp_path, label, first: TrainConfig, second: TrainConfig) -> dict:
     """Train ``first`` (2 steps) into a fresh storage folder, then resume it with ``second`` (to 4 steps)."""
-    storage, out = str(tmp_path / f"storage_{label}"), str(tmp_path / f"model_{label}")
-    _launch(f"{label}: 2 steps", token_table, tiny_model, out, first, storage_dir=storage, name="sft")
-    metrics = _launch(f"{label}: resume to 4", token_table, tiny_model, out, second, storage_dir=storage, name="sft")
-    return {"metrics": metrics, "out": out}
+    return _extend_each(token_table, tiny_model, tmp_path, label, first, {label: second})[label]
+
+
+def _extend_each(token_table, tiny_model, tmp_path, label, first: TrainConfig,
+                 seconds: dict[str, TrainConfig]) -> dict[str, dict]:
+    """Train ``first`` (2 steps) once, then resume a copy of its storage folder with each of ``seconds``.
+
+    The copies resume like the original: Ray Train's checkpoint snapshot names its checkpoints relative to the
+    run folder.
+    """
+    storage = tmp_path / f"storage_{label}"
+    _launch(f"{label}: 2 steps", token_table, tiny_model, str(tmp_path / f"model_{label}"), first,
+            storage_dir=str(storage), name="sft")
+    arms = {}
+    for arm, second in seconds.items():
+        arm_storage, out = tmp_path / f"storage_{arm}", str(tmp_path / f"model_{arm}")
+        if arm_storage != storage:
+            shutil.copytree(storage, arm_storage)
+        metrics = _launch(f"{arm}: resume to 4", token_table, tiny_model, out, second, storage_dir=str(arm_storage),
+                          name="sft")
+        arms[arm] = {"metrics": metrics, "out": out}
+    return arms
 
 
 def _zero_cfg(**overrides) -> TrainConfig:
@@ -419,12 +438,12 @@ def test_needs_universal_resume_only_for_partitioned_shards_of_another_layout():
 @pytest.mark.slow
 @pytest.mark.ray
 def test_zero2_offload_resumes_on_one_worker_like_on_two(ray_local, tiny_model, token_table, tmp_path):
-    # Both arms train the same 2 steps on 2 workers (ZeRO-2, optimizer offloaded to CPU), then continue to step 4:
+    # One run trains 2 steps on 2 workers (ZeRO-2, optimizer offloaded to CPU); two copies of it continue to step 4:
     # one on 2 workers (same layout), one on 1 worker (universal checkpoint). Each step sees the same 4 rows.
-    two = _extend(token_table, tiny_model, tmp_path, "2->2", _zero_cfg(offload_optimizer=True),
-                  _zero_cfg(offload_optimizer=True, max_steps=4))
-    one = _extend(token_table, tiny_model, tmp_path, "2->1", _zero_cfg(offload_optimizer=True),
-                  _zero_cfg(offload_optimizer=True, max_steps=4, num_workers=1))
+    arms = _extend_each(token_table, tiny_model, tmp_path, "offload", _zero_cfg(offload_optimizer=True),
+                        {"2->2": _zero_cfg(offload_optimizer=True, max_steps=4),
+                         "2->1": _zero_cfg(offload_optimizer=True, max_steps=4, num_workers=1)})
+    two, one = arms["2->2"], arms["2->1"]
     assert one["metrics"]["start_step"] == 2 and one["metrics"]["world_size"] == 1
     assert one["metrics"]["loss_per_step"][:2] == two["metrics"]["loss_per_step"][:2]
     assert one["metrics"]["loss_per_step"] == pytest.approx(two["metrics"]["loss_per_step"], rel=1e-5)
