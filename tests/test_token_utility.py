@@ -264,3 +264,21 @@ def test_eager_models_stay_eager(tokenizer):
     assert model.config._attn_implementation == "eager"
     reference = tu.reference_token_utilities(model, *inputs(batch), direction)
     assert (fast - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+def test_only_layers_with_tangents_run_sdpa_through_the_math_backend(models, tokenizer):
+    # L = 2 of 4: layers 0-1 run a plain forward with the fused kernels allowed, layers 2-3 carry tangents (MATH).
+    model = models["tiny-llama"]
+    batch = padded_batch(len(tokenizer), seed=2)
+    direction = random_direction(tu.scoring_parameters(model, 2), seed=2)
+    fused_allowed = []
+    record = lambda *_: fused_allowed.append(torch.backends.cuda.flash_sdp_enabled())  # noqa: E731
+    hooks = [layer.self_attn.register_forward_pre_hook(record) for layer in model.model.layers]
+    try:
+        tu.token_utilities(model, *inputs(batch), direction)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert fused_allowed == [True, True, False, False]
+    assert torch.backends.cuda.flash_sdp_enabled()  # restored
+    assert all(not layer._forward_pre_hooks for layer in model.model.layers)
