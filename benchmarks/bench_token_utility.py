@@ -19,9 +19,9 @@ double-backward pass over per-token key scales, all prompt tokens at once) relat
 eager attention layer + routing weights): ``knockout_over_routing=median[min,max]`` of the per-run ratios.  The
 last line is ``utility_over_forward=... utility_over_forward_l4_of_16=... backward_over_utility=...
 max_abs_err=...``: utility time / plain forward time on the 4-layer model with L = 4 (target <= 3.0), the same
-ratio with L = 4 of the ``--layers``-layer model (the key names the actual L and N; target <= 1.6), per-token-backward reference
-time / utility time (target >= 100, 4-layer model), and the largest absolute difference between the JVP
-utilities and the reference.
+ratio with L = 4 of the ``--layers``-layer model (the key names the actual L and N; target <= 1.6),
+per-token-backward reference time / utility time (target >= 100, 4-layer model), and the largest absolute
+difference between the JVP utilities and the reference.
 """
 
 from __future__ import annotations

@@ -22,10 +22,11 @@ restricted parameters are swapped into the model as dual tensors (``torch.autogr
 ``torch.func.functional_call``); nothing else carries a tangent.  ``torch.func.jvp`` gives the same numbers but
 measured ~1.4x slower on the tiny model (its functorch wrapper layer), so the lower-level API is used.  Torch
 2.13's fused CPU SDPA kernel has no forward-mode AD formula (``NotImplementedError: Trying to use forward AD with
-_scaled_dot_product_flash_attention_for_cpu``), so the decoder layers that carry a tangent run SDPA through its composite
-``MATH`` backend (``torch.nn.attention.sdpa_kernel``), which decomposes into matmul/softmax and is differentiable in
-forward mode on every device; the layers before the first one with a tangent keep the fused kernel; attention implementations that do not go through SDPA or eager (e.g. flash_attention_2) are
-temporarily switched to ``eager``.  :func:`reference_token_utilities` is the slow per-token backward loop used only
+_scaled_dot_product_flash_attention_for_cpu``), so the decoder layers that carry a tangent run SDPA through its
+composite ``MATH`` backend (``torch.nn.attention.sdpa_kernel``), which decomposes into matmul/softmax and is
+differentiable in forward mode on every device; the layers before the first one with a tangent keep the fused
+kernel.  Attention implementations that do not go through SDPA or eager (e.g. flash_attention_2) are temporarily
+switched to ``eager``.  :func:`reference_token_utilities` is the slow per-token backward loop used only
 by tests and benchmarks.
 """
 
