@@ -36,7 +36,6 @@ import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from functools import partial
 
 import torch
 from torch import nn
@@ -257,37 +256,34 @@ def _carries_tangent(value: object) -> bool:
 
 
 @contextmanager
-def _math_sdpa_from_first_dual_layer(model: nn.Module, duals: Mapping[str, torch.Tensor]) -> Iterator[None]:
+def _math_sdpa_from_first_dual_layer(model: nn.Module) -> Iterator[None]:
     """Leave SDPA's fused kernels on for the decoder layers before the first one that carries a tangent.
 
-    Only layers whose input hidden states or own parameters carry a tangent need the MATH backend; the layers before
-    them run a plain forward, and the fused CPU kernel is faster there (L = 4 of 16 layers: the 12 first layers run
-    at forward speed).  Once a layer switches to MATH, every later layer's input carries a tangent, so the switch is
-    made once and undone on exit.  Models without ``model.model.layers`` use MATH throughout.
+    Only layers whose input hidden states or own (dual, swapped-in) parameters carry a tangent need the MATH
+    backend; the layers before them run a plain forward, and the fused CPU kernel is faster there (L = 4 of 16
+    layers: the 12 first layers run at forward speed).  Once a layer switches to MATH, every later layer's input
+    carries a tangent, so the switch is made once and undone on exit.  Models without ``model.model.layers`` use
+    MATH throughout.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     try:
-        prefix, layers = _decoder_layers(model)
+        _, layers = _decoder_layers(model)
     except ValueError:
         with sdpa_kernel([SDPBackend.MATH]):
             yield
         return
-    dual_layers = {int(name[len(prefix) + 1:].split(".", 1)[0]) for name in duals if name.startswith(f"{prefix}.")}
     with ExitStack() as math_backend:
         switched = False
 
-        def switch_once(index: int, args: tuple, kwargs: dict) -> None:
+        def switch_once(layer: nn.Module, args: tuple, kwargs: dict) -> None:
             nonlocal switched
             hidden = args[0] if args else kwargs.get("hidden_states")
-            if not switched and (index in dual_layers or _carries_tangent(hidden)):
+            if not switched and (_carries_tangent(hidden) or any(map(_carries_tangent, layer.parameters()))):
                 math_backend.enter_context(sdpa_kernel([SDPBackend.MATH]))
                 switched = True
 
-        handles = [
-            layer.register_forward_pre_hook(partial(_call_with_index, switch_once, index), with_kwargs=True)
-            for index, layer in enumerate(layers)
-        ]
+        handles = [layer.register_forward_pre_hook(switch_once, with_kwargs=True) for layer in layers]
         try:
             yield
         finally:
@@ -295,12 +291,8 @@ def _math_sdpa_from_first_dual_layer(model: nn.Module, duals: Mapping[str, torch
                 handle.remove()
 
 
-def _call_with_index(fn, index: int, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-    fn(index, args, kwargs)
-
-
 @contextmanager
-def _forward_ad_attention(model: nn.Module, duals: Mapping[str, torch.Tensor]) -> Iterator[None]:
+def _forward_ad_attention(model: nn.Module) -> Iterator[None]:
     """Run attention through forward-AD-capable kernels: SDPA's MATH backend, or eager as a fallback.
 
     With SDPA the MATH backend is switched on from the first decoder layer that carries a tangent
@@ -312,7 +304,7 @@ def _forward_ad_attention(model: nn.Module, duals: Mapping[str, torch.Tensor]) -
     if switch:
         model.set_attn_implementation("eager")
     try:
-        with _math_sdpa_from_first_dual_layer(model, duals):
+        with _math_sdpa_from_first_dual_layer(model):
             yield
     finally:
         if switch:
@@ -369,15 +361,14 @@ def token_utilities(
     keep = torch.arange(start, stop, device=input_ids.device)  # (W,)
     window_ids, window_mask = input_ids[:, start:stop], supervised[:, start:stop]  # (B, W)
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, "logits_to_keep": keep}
-    with torch.no_grad(), warnings.catch_warnings(), fwad.dual_level():
+    with torch.no_grad(), _forward_ad_attention(model), warnings.catch_warnings(), fwad.dual_level():
         # torch loads its forward-AD decompositions through the deprecated torch.jit.script on first use.
         warnings.filterwarnings("ignore", message=".*torch.jit.script.*is deprecated", category=DeprecationWarning)
         duals = {
             name: fwad.make_dual(param.detach(), direction[name].detach().to(param.device, param.dtype))
             for name, param in params.items()
         }
-        with _forward_ad_attention(model, duals):
-            logits = functional_call(model, duals, args=(), kwargs=kwargs).logits  # (B, W, V)
+        logits = functional_call(model, duals, args=(), kwargs=kwargs).logits  # (B, W, V)
         losses = token_losses(logits, window_ids, window_mask)  # (B, W); entry w is the loss of window_ids[:, w]
         window_tangent = fwad.unpack_dual(losses).tangent  # (B, W) = d losses / d e along v
     if window_tangent is None:  # the losses do not depend on the direction's parameters
