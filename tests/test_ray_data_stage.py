@@ -7,7 +7,7 @@ import os
 import pytest
 
 from raycurate.config.pool import ActorPoolConfig
-from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
+from raycurate.stages.ray_data import dataset_from_rows, map_with_actor_pool, resolve_pool
 from raycurate.stages.runtime import actor_cpus
 
 
@@ -62,6 +62,15 @@ def test_actor_pool_stage_runs_on_two_cpus_without_deadlock(ray_local):
     assert len({r["pid"] for r in rows}) == 2, "both actors should have taken batches"
 
 
+@pytest.mark.ray
+def test_in_memory_rows_come_in_batch_sized_blocks(ray_local):
+    # ray.data.from_items would cut 120 rows into ~120 one-row blocks, one read task each
+    ds = dataset_from_rows([{"x": i} for i in range(120)], 50).materialize()
+    assert ds.num_blocks() == 3
+    assert [r["x"] for r in ds.take_all()] == list(range(120))
+    assert dataset_from_rows([{"x": 0}], 50).materialize().num_blocks() == 1
+
+
 @pytest.mark.parametrize("progress", [False, True])
 def test_ray_data_progress_bars_follow_run_progress(tmp_path, monkeypatch, progress):
     """open_run sets DataContext.enable_progress_bars from run.progress (Ray Data's default is on)."""
@@ -82,3 +91,33 @@ def test_ray_data_progress_bars_follow_run_progress(tmp_path, monkeypatch, progr
     finally:
         release_locks()
     assert ray.data.DataContext.get_current().enable_progress_bars is progress
+
+
+@pytest.mark.ray
+def test_tokenize_in_the_driver_writes_what_the_actor_pool_writes(ray_local, tmp_path):
+    import pyarrow.parquet as pq
+
+    from raycurate.config.loader import from_dict
+    from raycurate.config.schema import JobConfig
+    from raycurate.pipelines.common import open_run, prepare_data
+    from raycurate.rundir import release_locks
+    from raycurate.stages.base import output_path
+    from raycurate.stages.data_stages import tokenize_stage
+
+    # max_length 160 rejects the longest corpus rows, so both paths must also agree on rejected.jsonl
+    cfg = from_dict(JobConfig, {"run": {"name": "tok", "runs_dir": str(tmp_path), "progress": False},
+                                "data": {"corpus_rows": 80, "heldout_rows": 10, "max_length": 160},
+                                "tokenize": {"batch_size": 16}})
+    try:
+        run = open_run(cfg)
+        local = prepare_data(run, cfg)["tokenize"]
+        tokens, rejected = (output_path(run, "tokenize", name) for name in ("tokens", "rejected"))
+        local_rows, local_rejected = pq.read_table(tokens).to_pylist(), rejected.read_text()
+        pooled = tokenize_stage(run, accepted_stage="ingest", tokenizer_stage="base_model", max_length=160,
+                                pool_cfg=cfg.tokenize, in_process=False, force=True)
+        assert local["metrics"]["in_process"] and not pooled["metrics"]["in_process"]
+        assert 0 < local["metrics"]["rejected"] < 80
+        assert pq.read_table(tokens).to_pylist() == local_rows
+        assert rejected.read_text() == local_rejected
+    finally:
+        release_locks()

@@ -11,7 +11,7 @@ from typing import Any
 
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage, scratch_dir, stage_hash
-from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
+from raycurate.stages.ray_data import dataset_from_rows, map_with_actor_pool, resolve_pool
 
 log = logging.getLogger("raycurate")
 
@@ -256,7 +256,6 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
     """Evaluate a checkpoint on the held-out set on a Ray Data actor pool; writes ``predictions.parquet``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import ray.data
 
     model_dir = output_path(run, model_stage, "model")
     heldout = output_path(run, heldout_stage, "heldout")
@@ -264,7 +263,7 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
     def body(out: Path) -> StageOutput:
         rows = [json.loads(line) for line in heldout.read_text().splitlines() if line.strip()]
         pool = resolve_pool(eval_cfg.pool)
-        ds = ray.data.from_items(rows)
+        ds = dataset_from_rows(rows, pool.batch_size)
         ds = map_with_actor_pool(
             ds, EvaluateUDF,
             {"model_dir": str(model_dir), "max_length": max_length, "max_new_tokens": eval_cfg.max_new_tokens,

@@ -17,7 +17,7 @@ from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage
 from raycurate.stages.bridge import read_token_rows
-from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
+from raycurate.stages.ray_data import dataset_from_rows, map_with_actor_pool, resolve_pool
 from raycurate.stages.runtime import run_as_task
 
 log = logging.getLogger("raycurate")
@@ -323,7 +323,7 @@ def probe_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, he
         ray.data.DataContext.get_current().execution_options.preserve_order = True
         plan = probe_plan(token_ids(run, pool_stage), p2d_cfg)
         pool = resolve_pool(pool_cfg)
-        ds = ray.data.from_items(plan)
+        ds = dataset_from_rows(plan, pool.batch_size)
         ds = map_with_actor_pool(ds, IclProbeUDF, {
             "model_dir": str(model_dir), "tokens_dir": str(tokens), "heads": selected_heads(run, heads_stage_name),
             "instruction": p2d_cfg.instruction, "query_score": p2d_cfg.query_score,

@@ -60,6 +60,18 @@ def configure_data_context(*, progress: bool) -> Any:
     return ctx
 
 
+def dataset_from_rows(rows: list[dict], rows_per_block: int) -> Any:
+    """A ``ray.data.Dataset`` of in-memory rows in blocks of about ``rows_per_block`` rows.
+
+    ``ray.data.from_items`` defaults to ~200 blocks, one read task each: for the few hundred rows of a held-out
+    eval or a probe plan that scheduling alone took ~11 s of a 29 s eval stage on 2 cores (17.5 s with batch-sized
+    blocks; ``benchmarks/RESULTS.md``, 2026-12-04).
+    """
+    import ray.data
+
+    return ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // max(1, rows_per_block))))
+
+
 def map_with_actor_pool(ds: Any, udf: type, ctor_kwargs: dict, pool: PoolResources, **map_kwargs: Any) -> Any:
     """``ds.map_batches`` with a fixed-size actor pool of ``udf`` (pyarrow batches in and out).
 
