@@ -1,13 +1,15 @@
-"""BRIDGE scoring stage throughput with 1 and 2 Ray Data actors (same rows, same model).
+"""BRIDGE scoring stage throughput with 1 and 2 actors (same rows, same model).
 
 Usage::
 
-    python benchmarks/bench_scoring_scaling.py [--rows 400]
+    python benchmarks/bench_scoring_scaling.py [--rows 400] [--shard-rows 128]
 
 Builds the tiny model (briefly pre-trained, cached in a temp folder), tokenizes embedded-corpus rows, draws a seeded
 scoring direction on the last 4 layers, then runs the real actor UDF (`BridgeScoreUDF`: JVP utilities, one
 attention layer; since issue #15 the selection runs in its own CPU stage, so rows before that date include the
-alternating selection and closure) with pools of 1 and 2 actors, one torch thread each.  Last line:
+alternating selection and closure) with pools of 1 and 2 actors, one torch thread each, through the stage's own
+path, ``raycurate.stages.sharded.sharded_map`` (rows before 2026-12-04 went through a Ray Data ``map_batches``
+with the driver iterating rows; the stage has used ``sharded_map`` since the scoring split).  Last line:
 ``scaling_2_over_1=…`` (rows/s with 2 actors over rows/s with 1).
 """
 
@@ -47,37 +49,40 @@ def prepare(work: Path, rows: int) -> tuple[str, str, str]:
     return model_dir, str(tokens_dir), str(work / "direction.safetensors")
 
 
-def run_pool(actors: int, model_dir: str, tokens: str, direction: str) -> tuple[float, int]:
-    import ray.data
-
+def run_pool(actors: int, model_dir: str, tokens: str, direction: str, shard_rows: int) -> tuple[float, int]:
+    """The ``bridge_score`` stage's path: :func:`sharded_map` of ``BridgeScoreUDF`` over ``actors`` actors, one torch
+    thread each, into a fresh scratch folder (nothing resumed); actor start-up included."""
     from raycurate.algorithms.bridge import SelectionSettings
     from raycurate.config.pool import ActorPoolConfig
     from raycurate.stages.bridge import BridgeScoreUDF
-    from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
+    from raycurate.stages.ray_data import resolve_pool
+    from raycurate.stages.sharded import sharded_map
 
     pool = resolve_pool(ActorPoolConfig(num_actors=actors, batch_size=16))
-    ds = ray.data.read_parquet(tokens)
-    ds = map_with_actor_pool(ds, BridgeScoreUDF, {"model_dir": model_dir, "direction_path": direction,
-                                                  "routing_layer": None, "settings": SelectionSettings(),
-                                                  "micro_batch": 8, "threads": 1}, pool)
+    scratch = tempfile.mkdtemp(prefix=f"raycurate-scaling-{actors}-")
     start = time.perf_counter()
-    n = sum(1 for _ in ds.iter_rows())
-    return time.perf_counter() - start, n
+    metrics = sharded_map(tokens, scratch, BridgeScoreUDF, {
+        "model_dir": model_dir, "direction_path": direction, "routing_layer": None, "settings": SelectionSettings(),
+        "micro_batch": 8, "threads": 1}, shard_rows=shard_rows, num_actors=pool.num_actors,
+        num_cpus_per_actor=pool.num_cpus, batch_rows=pool.batch_size, progress=False)
+    return time.perf_counter() - start, metrics["rows_computed"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=400)
+    parser.add_argument("--shard-rows", type=int, default=128,
+                        help="rows per shard: enough shards that both actors stay busy to the end")
     args = parser.parse_args()
     from raycurate.stages.runtime import init_ray
 
     init_ray(num_cpus=2)
     work = Path(tempfile.mkdtemp(prefix="raycurate-scaling-"))
     model_dir, tokens, direction = prepare(work, args.rows)
-    run_pool(1, model_dir, tokens, direction)  # warm-up: worker start, imports, denormal flush
+    run_pool(1, model_dir, tokens, direction, args.shard_rows)  # warm-up: worker start, imports, denormal flush
     results = {}
     for actors in (1, 2):
-        seconds, n = run_pool(actors, model_dir, tokens, direction)
+        seconds, n = run_pool(actors, model_dir, tokens, direction, args.shard_rows)
         results[actors] = n / seconds
         print(f"{actors} actor(s): {n} rows in {seconds:.1f} s = {results[actors]:.1f} rows/s")
     print(f"rows_per_s_1={results[1]:.1f} rows_per_s_2={results[2]:.1f} scaling_2_over_1={results[2] / results[1]:.2f}")

@@ -11,7 +11,7 @@ import pytest
 from raycurate.config.loader import ConfigError, from_dict
 from raycurate.config.schema import JobConfig
 from raycurate.config.train import TrainConfig
-from raycurate.training.session import TaskSession, scoped_env, single_rank_process_group
+from raycurate.training.session import TaskSession, scoped_env, single_rank_process_group, worker_threads
 
 
 def _report(session: TaskSession, tmp_path, step: int, text: str | None = None) -> None:
@@ -144,3 +144,11 @@ def test_job_config_rejects_the_task_launcher_with_two_workers():
     cfg = from_dict(JobConfig, {"train": {"launcher": "task", "num_workers": 1, "micro_batch_size": 2,
                                           "effective_batch_size": 4}})
     assert cfg.train.launcher == "task" and JobConfig().train.launcher == "ray_train"
+
+
+def test_worker_threads_follow_the_reserved_cpus_unless_set():
+    assert worker_threads(None, 0.95) == 1  # a fractional reservation still gets one thread
+    assert worker_threads(None, 4.0) == 4
+    assert worker_threads(3, 0.95) == 3
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert worker_threads(0, 0.95) == cores

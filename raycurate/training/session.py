@@ -91,7 +91,17 @@ def prepare_worker(job: Any) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if not job.use_gpu:
-        torch.set_num_threads(max(1, int(job.cpus_per_worker)))
+        torch.set_num_threads(worker_threads(job.cfg.threads_per_worker, job.cpus_per_worker))
+
+
+def worker_threads(threads_per_worker: int | None, cpus_per_worker: float) -> int:
+    """torch threads of a CPU worker: ``threads_per_worker``, with None = its reserved CPUs (at least 1) and 0 =
+    every core this process may run on."""
+    if threads_per_worker is None:
+        return max(1, int(cpus_per_worker))
+    if threads_per_worker == 0:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return threads_per_worker
 
 
 def maybe_inject_fault(session: TrainSession, step: int) -> None:
