@@ -121,6 +121,19 @@ def test_same_seed_same_samples_and_different_seeds_differ(model, prompts):
     assert first[0][0].response_ids != first[0][1].response_ids  # the n samples of a prompt are different draws
 
 
+def test_one_prompt_pass_repeated_for_the_n_samples_draws_what_n_prompt_passes_draw(model, prompts, monkeypatch):
+    from transformers.cache_utils import DynamicCache
+
+    shared = sample(model, prompts, [1, 2, 3], n=3)
+    owner = next(k for k in DynamicCache.__mro__ if "batch_repeat_interleave" in vars(k))
+    monkeypatch.delattr(owner, "batch_repeat_interleave")  # the fallback: every repeated row forwarded
+    repeated = sample(model, prompts, [1, 2, 3], n=3)
+    assert as_ids(shared) == as_ids(repeated)
+    for got, ref in zip(shared, repeated):
+        for s, r in zip(got, ref):
+            assert torch.allclose(torch.tensor(s.token_logprobs), torch.tensor(r.token_logprobs), atol=1e-5)
+
+
 @pytest.mark.parametrize("temperature, top_p", [(0.8, 1.0), (0.5, 0.9), (1.3, 1.0)])
 def test_recorded_logprobs_are_the_policys_temperature_one_logprobs(model, prompts, temperature, top_p):
     result = sample(model, prompts, [1, 2, 3], temperature=temperature, top_p=top_p)
