@@ -154,7 +154,8 @@ def _prefill(model: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int, p
 
     The output's last-position logits and its KV cache are repeated row by row (``batch_repeat_interleave``), so
     the n samples of a prompt share one prompt pass (the prompt forward was ~70% of the eval's sampling time at
-    n = 4); a cache without that method falls back to forwarding every repeated row.
+    n = 4). A cache without that method (every transformers ``Cache`` has it; a model's own cache type may not)
+    falls back to forwarding every repeated row, after the wasted one-row-per-prompt pass.
     """
     input_ids, attention_mask = (t.to(device) for t in left_pad(prompts, pad_id))  # (B, T)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)  # (B, T) positions count real tokens only

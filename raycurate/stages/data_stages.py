@@ -11,6 +11,7 @@ from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage
 from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
+from raycurate.stages.sharded import apply_udf, list_input_files
 
 log = logging.getLogger("raycurate")
 
@@ -223,8 +224,6 @@ def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, ma
     """
     import ray.data
 
-    from raycurate.stages.sharded import list_input_files
-
     accepted = output_path(run, accepted_stage, "accepted")
     tokenizer_dir = output_path(run, tokenizer_stage, "model")
 
@@ -256,15 +255,13 @@ def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, ma
 def tokenize_files(paths: list[str], udf: TokenizeUDF, batch_rows: int, out_dir: Path) -> None:
     """The actor pool's work in this process: ``udf`` over each parquet file in ``batch_rows`` batches, one output
     file per input file (``part-00000.parquet``, ... in input order)."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for index, path in enumerate(paths):
         table = pq.read_table(path)
-        parts = [udf(table.slice(start, batch_rows)) for start in range(0, table.num_rows, max(1, batch_rows))]
-        if parts:
-            pq.write_table(pa.concat_tables(parts), out_dir / f"part-{index:05d}.parquet")
+        if table.num_rows:
+            pq.write_table(apply_udf(udf, table, batch_rows), out_dir / f"part-{index:05d}.parquet")
 
 
 def filter_tokens_stage(run: RunDir, stage: str, *, tokens_stage: str, description: str,
