@@ -9,8 +9,9 @@ core.  Throughput counts ``p + r`` tokens per example and divides by the process
     python benchmarks/bench_selection.py [--examples 3000] [--rounds 4] [--seed 0]
 
 Closure comes from ``raycurate.algorithms.closure.project_response`` (alignment check + structural units + the
-projection, i.e. everything the stage runs per example); when that module is not importable only the selection
-is timed and the output says ``closure=0``.  The last line is ``tokens_per_s_per_core=<value>``.
+projection, i.e. everything the stage runs per example; offsets go in as the (r, 2) array the stage passes since
+2026-12-04, earlier rows passed a list of pairs, ~20 us more per example); when that module is not importable only
+the selection is timed and the output says ``closure=0``.  The last line is ``tokens_per_s_per_core=<value>``.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ class Instance:
     beta: np.ndarray  # (p, r)
     gamma: np.ndarray  # (r,)
     response: str
-    offsets: list[tuple[int, int]]  # (r,) character spans
+    offsets: np.ndarray  # (r, 2) int64 character spans, as the stage passes them (``units.spans_from_flat``)
 
 
-def math_response(rng: np.random.Generator, target_tokens: int) -> tuple[str, list[tuple[int, int]]]:
+def math_response(rng: np.random.Generator, target_tokens: int) -> tuple[str, np.ndarray]:
     """A worked solution of about ``target_tokens`` word/punctuation tokens ending with ``#### answer``."""
     lines, total, step = [], 0, 1
     while total < target_tokens - 6:
@@ -51,7 +52,7 @@ def math_response(rng: np.random.Generator, target_tokens: int) -> tuple[str, li
         step += 1
     lines.append(f"#### {int(rng.integers(1, 999))}")
     text = "\n".join(lines)
-    return text, [m.span() for m in _TOKEN.finditer(text)]
+    return text, np.array([m.span() for m in _TOKEN.finditer(text)], dtype=np.int64).reshape(-1, 2)
 
 
 def make_instance(rng: np.random.Generator) -> Instance:

@@ -16,7 +16,7 @@ from raycurate.algorithms.closure import (
     unit_quality,
 )
 from raycurate.algorithms.selection import greedy_density, knapsack_dp
-from raycurate.algorithms.units import Unit, pairs_from_flat, structural_units, verify_alignment
+from raycurate.algorithms.units import Unit, pairs_from_flat, spans_from_flat, structural_units, verify_alignment
 
 MATH = (
     "She buys 3 toy cars at 6 dollars each, so 3 * 6 = 18 dollars.\n"
@@ -407,6 +407,27 @@ def tokenized():
         offsets = pairs_from_flat(row["response_offsets"])[:-1]  # eligible positions: drop the EOS
         out[name] = (record["response"], offsets)
     return out
+
+
+def test_span_array_offsets_project_exactly_like_pairs(tokenized):
+    """The stage passes (r, 2) arrays (``spans_from_flat``); the projection must not depend on the container."""
+    for name, (text, offsets) in tokenized.items():
+        domain = "math" if name == "unicode" else name
+        spans = np.asarray(offsets, dtype=np.int64)
+        scores = np.cos(np.arange(len(offsets)) * 1.7)  # signed, no ties
+        budget = len(offsets) * 2 // 3
+        from_pairs = project_response(text, domain, offsets, scores, budget)
+        from_array = project_response(text, domain, spans, scores, budget)
+        assert from_array.units == from_pairs.units and not from_array.fallback
+        np.testing.assert_array_equal(from_array.mask, from_pairs.mask)
+        assert (from_array.chosen_units, from_array.solver) == (from_pairs.chosen_units, from_pairs.solver)
+
+
+def test_spans_from_flat_pairs_up_and_rejects_odd_lengths():
+    np.testing.assert_array_equal(spans_from_flat([0, 2, 3, 5, -1, -1]), [[0, 2], [3, 5], [-1, -1]])
+    assert spans_from_flat([0, 2, 3, 5]).tolist() == [list(p) for p in pairs_from_flat([0, 2, 3, 5])]
+    with pytest.raises(ValueError, match="even length"):
+        spans_from_flat([0, 2, 3])
 
 
 def test_real_tokenizer_math_units(tokenized):

@@ -27,7 +27,7 @@ from raycurate.algorithms.selection import (
     to_row_masks,
 )
 from raycurate.algorithms.token_utility import knockout_prompt_scores, token_utilities
-from raycurate.algorithms.units import pairs_from_flat
+from raycurate.algorithms.units import spans_from_flat
 
 SCHEDULES = ("independent", "one_pass", "alternating")
 PROMPT_PROXIES = ("routing", "knockout_grad")
@@ -178,8 +178,7 @@ def select_example(
     closure_info = {"closure_fallback": True, "final_answer_kept": -1, "final_answer_kept_score_only": -1,
                     "utility_retained": float("nan"), "closure_solver": "off"}
     if settings.closure and len(response_idx):
-        offsets = pairs_from_flat(row["response_offsets"])
-        eligible_offsets = [offsets[j - p] for j in response_idx]
+        eligible_offsets = spans_from_flat(row["response_offsets"])[np.asarray(response_idx) - p]  # (r, 2)
         projected = project_response(
             row["response"], row.get("domain"), eligible_offsets, result.response_scores, b_r,
             token_mask=response_mask, max_unit_tokens=settings.max_unit_tokens,

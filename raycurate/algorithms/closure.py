@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raycurate.algorithms.selection import greedy_density, knapsack_dp, top_b
-from raycurate.algorithms.units import MAX_UNIT_TOKENS, MIN_UNIT_TOKENS, Unit, aligned_units
+from raycurate.algorithms.units import MAX_UNIT_TOKENS, MIN_UNIT_TOKENS, Unit, units_and_core
 
 DP_CAPACITY_LIMIT = 2048
 ALPHA = 0.5
@@ -329,13 +329,35 @@ def closure_projection(
     scores = np.asarray(scores, dtype=np.float64)
     units = list(units or [])
     _check_inputs(scores, units, b_r)
+    return _project(scores, units, None, b_r, token_mask=token_mask, tau=tau, alpha=alpha, eps=eps,
+                    dp_capacity_limit=dp_capacity_limit, complete_budget=complete_budget)
+
+
+def _project(
+    scores: np.ndarray,
+    units: list[Unit],
+    core: np.ndarray | None,
+    b_r: int,
+    *,
+    token_mask: np.ndarray | None = None,
+    tau: float | None = None,
+    alpha: float = ALPHA,
+    eps: float = EPS,
+    dp_capacity_limit: int = DP_CAPACITY_LIMIT,
+    complete_budget: bool = True,
+) -> ClosureResult:
+    """:func:`closure_projection` on checked inputs; ``core`` (r,) bool is the union of the unit cores (None:
+    built from the units)."""
     token_mask = _token_mask(scores, token_mask, b_r)
     if not units:
         return _fallback(scores, token_mask, units, "no structural units")
     mask = np.zeros(scores.shape[0], dtype=bool)
     whole, capacity, partial = _take_mandatory(units, scores, mask, b_r)
     optional = [i for i, u in enumerate(units) if not u.mandatory]
-    unit_id, core = _unit_index(units, scores.shape[0], partition=True)
+    if core is None:
+        unit_id, core = _unit_index(units, scores.shape[0], partition=True)
+    else:
+        unit_id = np.repeat(np.arange(len(units)), [u.size for u in units])
     q = _quality(scores, unit_id, core, len(units), tau, alpha, eps)  # (M,)
     positive = np.bincount(unit_id, weights=np.maximum(scores, 0.0), minlength=len(units))  # (M,)
     picked, solver = _select_optional(units, optional, q, positive, capacity, dp_capacity_limit)
@@ -362,7 +384,7 @@ def closure_projection(
 def project_response(
     response: str,
     domain: str | None,
-    offsets: Sequence[tuple[int, int]],
+    offsets: Sequence[tuple[int, int]] | np.ndarray,
     scores: np.ndarray,
     b_r: int,
     *,
@@ -376,8 +398,8 @@ def project_response(
     Args:
         response: Response text.
         domain: Record domain (``math`` / ``code`` / ``instruction`` / other -> sentences).
-        offsets: (r,) character spans of the eligible response tokens (use :func:`units.pairs_from_flat` on the token
-            row's ``response_offsets`` and drop the EOS).
+        offsets: (r,) character spans of the eligible response tokens, pairs or an (r, 2) array (use
+            :func:`units.spans_from_flat` on the token row's ``response_offsets`` and drop the EOS).
         scores: (r,) final conditional response scores.
         b_r: Response budget.
         token_mask: (r,) pre-projection selection (None = Top-``b_r`` of ``scores``).
@@ -393,9 +415,10 @@ def project_response(
     if len(offsets) != scores.shape[0]:
         raise ValueError(f"{len(offsets)} offsets for {scores.shape[0]} scores; pass the eligible positions only "
                          "(response side without the EOS)")
-    units, check = aligned_units(response, domain, offsets, max_unit_tokens=max_unit_tokens,
-                                 min_unit_tokens=min_unit_tokens)
+    units, core, check = units_and_core(response, domain, offsets, max_unit_tokens=max_unit_tokens,
+                                        min_unit_tokens=min_unit_tokens)
     if units is None:
         _check_inputs(scores, [], b_r)
         return _fallback(scores, _token_mask(scores, token_mask, b_r), [], f"alignment: {check.reason}")
-    return closure_projection(scores, units, b_r, token_mask=token_mask, **projection_kwargs)
+    _check_inputs(scores, units, b_r)
+    return _project(scores, units, core, b_r, token_mask=token_mask, **projection_kwargs)

@@ -469,18 +469,17 @@ def knapsack_dp(
     delta = 0.5 * tol / (1.0 + float(np.abs(secondary).sum()))
     gains = (q + delta * secondary).tolist()
     value = np.zeros(capacity + 1)  # best perturbed value within capacity c, (C+1,)
-    take = np.zeros((m, capacity + 1), dtype=bool)  # (M, C+1)
+    take: list[np.ndarray | None] = [None] * m  # take[i][c - w_i]: item i improves capacity c, (C+1-w_i,) each
     for i in range(m):
         wi = w[i]
         if wi > capacity:
             continue
         cand = value[: capacity + 1 - wi] + gains[i]  # item i on top of the best within c - wi
-        better = cand > value[wi:]  # strict: the incumbent stays on an exact tie
-        take[i, wi:] = better
+        take[i] = cand > value[wi:]  # strict: the incumbent stays on an exact tie
         np.maximum(value[wi:], cand, out=value[wi:])
     chosen, c = [], capacity
     for i in range(m - 1, -1, -1):
-        if take[i, c]:
+        if take[i] is not None and c >= w[i] and take[i][c - w[i]]:
             chosen.append(i)
             c -= w[i]
     return sorted(chosen)

@@ -112,6 +112,14 @@ def pairs_from_flat(flat: Sequence[int]) -> list[tuple[int, int]]:
     return [(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
 
 
+def spans_from_flat(flat: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``[s0, e0, s1, e1, ...]`` -> (r, 2) int64 spans, the form :func:`aligned_units` takes without conversion."""
+    spans = np.asarray(flat, dtype=np.int64)
+    if spans.ndim != 1 or spans.shape[0] % 2:
+        raise ValueError(f"flat offsets need an even length (start, end per token); got shape {spans.shape}")
+    return spans.reshape(-1, 2)
+
+
 _ASCII_SPACE = np.array([chr(c).isspace() for c in range(128)])
 _ASCII_ALNUM = np.array([chr(c).isalnum() for c in range(128)])
 
@@ -138,24 +146,40 @@ def _span_array(offsets: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
     return np.fromiter(flat, dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
 
 
-def _alignment(response: str, spans: np.ndarray, nonws: np.ndarray) -> AlignmentCheck:
-    n = len(response)
-    aligned = ~((spans[:, 0] == -1) & (spans[:, 1] == -1))  # (r,)
-    index = np.flatnonzero(aligned)
-    start, end = spans[index, 0], spans[index, 1]
+class _Spans(NamedTuple):
+    """Token spans and the facts about them that alignment and ownership both use."""
+
+    spans: np.ndarray  # (r, 2) int64 (start, end); (-1, -1) for template/special tokens
+    aligned: np.ndarray  # (r,) bool, the token has a span in the text
+    start: np.ndarray  # (a,) int64 starts of the aligned tokens, in token order
+    end: np.ndarray  # (a,) int64 ends of the aligned tokens
+    nonws_at: np.ndarray  # (k,) int64 positions of the text's non-whitespace characters, ascending
+
+
+def _span_facts(spans: np.ndarray, nonws: np.ndarray) -> _Spans:
+    aligned = (spans[:, 0] != -1) | (spans[:, 1] != -1)  # (r,)
+    return _Spans(spans, aligned, spans[aligned, 0], spans[aligned, 1], np.flatnonzero(nonws))
+
+
+def _alignment(response: str, facts: _Spans) -> AlignmentCheck:
+    n, spans, start, end = len(response), facts.spans, facts.start, facts.end
     bad = (start < 0) | (start >= end) | (end > n)
     if bad.any():
-        k = int(index[np.argmax(bad)])
+        k = int(np.flatnonzero(facts.aligned)[np.argmax(bad)])
         return AlignmentCheck(False, f"token {k} span {tuple(spans[k].tolist())} is outside the text of length {n}")
-    back = (np.diff(start) < 0) | (np.diff(end) < 0)
+    back = (start[1:] < start[:-1]) | (end[1:] < end[:-1])
     if back.any():
+        index = np.flatnonzero(facts.aligned)
         j = int(np.argmax(back))
         return AlignmentCheck(False, f"token {int(index[j + 1])} span {tuple(spans[index[j + 1]].tolist())} "
                                      f"goes back before {tuple(spans[index[j]].tolist())}")
-    depth = np.cumsum(np.bincount(start, minlength=n + 1) - np.bincount(end, minlength=n + 1))[:n]  # (n,)
-    uncovered = nonws & (depth <= 0)
-    if uncovered.any():
-        i = int(np.argmax(uncovered))
+    # Starts and ends are monotone now, so the last span starting at or before a character reaches furthest right:
+    # the character is covered exactly when that span ends after it.
+    chars = facts.nonws_at
+    last = np.searchsorted(start, chars, side="right") - 1  # (k,)
+    covered = (last >= 0) & (end[np.maximum(last, 0)] > chars) if start.size else np.zeros(chars.shape, bool)
+    if not covered.all():
+        i = int(chars[np.argmin(covered)])
         return AlignmentCheck(False, f"character {i} ({response[i]!r}) is not covered by any token")
     return AlignmentCheck(True)
 
@@ -174,7 +198,7 @@ def verify_alignment(response: str, offsets: Sequence[tuple[int, int]]) -> Align
     Returns:
         ``AlignmentCheck(ok, reason)``; the reason names the first failing token or character.
     """
-    return _alignment(response, _span_array(offsets), _char_classes(response)[0])
+    return _alignment(response, _span_facts(_span_array(offsets), _char_classes(response)[0]))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -309,7 +333,8 @@ def _boxed_tags(text: str) -> list[tuple[int, int, int, int]]:
 def _answer_tags(text: str) -> list[tuple[int, int, int, int]]:
     """Final-answer tags ``(start, end, payload_start, payload_end)`` in the text."""
     tags = [(m.start(), m.end(), m.start(1), m.end(1)) for m in _FINAL_HASH.finditer(text)]
-    tags += [(m.start(), m.end(), m.start(1), m.end(1)) for m in _ANSWER_LINE.finditer(text)]
+    if "answer" in text.casefold():  # the regex scan costs ~4x this substring test
+        tags += [(m.start(), m.end(), m.start(1), m.end(1)) for m in _ANSWER_LINE.finditer(text)]
     return tags + _boxed_tags(text)
 
 
@@ -329,7 +354,7 @@ def _segments(text: str, domain: str | None) -> list[_Seg]:
     name = (domain or "").strip().lower()
     if name == "math":
         segs = _math_segments(text)
-        for m in _DISPLAY_MATH.finditer(text):
+        for m in _DISPLAY_MATH.finditer(text) if "$$" in text or "\\[" in text else ():
             segs = _absorb(segs, m.start(), m.end(), False, None)
         for start, end, key_start, key_end in sorted(_answer_tags(text)):
             key = (key_start, key_end) if key_end > key_start else None
@@ -346,20 +371,17 @@ def _segments(text: str, domain: str | None) -> list[_Seg]:
 # Token-level units
 
 
-def _owners(segs: list[_Seg], spans: np.ndarray, nonws: np.ndarray) -> np.ndarray:
+def _owners(segs: list[_Seg], facts: _Spans, n: int) -> np.ndarray:
     """(r,) segment index per token, placed by its first non-whitespace character; monotone.
 
     Unaligned tokens join the segment of the token before them (leading ones the first aligned token's).
     """
-    n, r = nonws.shape[0], spans.shape[0]
-    aligned = ~((spans[:, 0] == -1) & (spans[:, 1] == -1))  # (r,)
-    owner = np.full(r, -1, dtype=np.int64)
-    if n and aligned.any():
-        nonws_at = np.append(np.flatnonzero(nonws), n)  # non-whitespace character positions + sentinel
-        start, end = spans[aligned, 0], spans[aligned, 1]
-        first = nonws_at[np.searchsorted(nonws_at, start)]  # first non-whitespace character >= start
-        anchor = np.where(first < end, first, start)  # whitespace-only tokens sit at their start
-        owner[aligned] = np.searchsorted([g.start for g in segs], anchor, side="right") - 1
+    owner = np.full(facts.spans.shape[0], -1, dtype=np.int64)
+    if n and facts.start.size:
+        nonws_at = np.append(facts.nonws_at, n)  # non-whitespace character positions + sentinel
+        first = nonws_at[np.searchsorted(nonws_at, facts.start)]  # first non-whitespace character >= start
+        anchor = np.where(first < facts.end, first, facts.start)  # whitespace-only tokens sit at their start
+        owner[facts.aligned] = np.searchsorted([g.start for g in segs], anchor, side="right") - 1
     owner = np.maximum.accumulate(owner)
     lead = owner < 0
     owner[lead] = owner[~lead][0] if (~lead).any() else 0
@@ -486,40 +508,63 @@ def aligned_units(
     Returns:
         ``(units, check)``; ``units`` is None when ``check.ok`` is False (the reason says why).
     """
-    spans = _span_array(offsets)
+    units, _, check = units_and_core(response, domain, offsets, max_unit_tokens=max_unit_tokens,
+                                     min_unit_tokens=min_unit_tokens)
+    return units, check
+
+
+def units_and_core(
+    response: str,
+    domain: str | None,
+    offsets: Sequence[tuple[int, int]] | np.ndarray,
+    *,
+    max_unit_tokens: int = MAX_UNIT_TOKENS,
+    min_unit_tokens: int = MIN_UNIT_TOKENS,
+) -> tuple[list[Unit] | None, np.ndarray | None, AlignmentCheck]:
+    """:func:`aligned_units` plus the (r,) bool core mask, the union of the units' cores.
+
+    The closure projection counts core positions per unit; taking the mask from here saves rebuilding it from
+    the units' ``core`` tuples.
+
+    Args:
+        response: The response text.
+        domain: See :func:`structural_units`.
+        offsets: (r,) ``(start, end)`` pairs, or an (r, 2) integer array (no conversion).
+        max_unit_tokens: See :func:`structural_units` (not range-checked here).
+        min_unit_tokens: See :func:`structural_units` (not range-checked here).
+
+    Returns:
+        ``(units, core_mask, check)``; both None when ``check.ok`` is False.
+    """
     nonws, alnum = _char_classes(response)
-    check = _alignment(response, spans, nonws)
+    facts = _span_facts(_span_array(offsets), nonws)
+    check = _alignment(response, facts)
     if not check.ok:
-        return None, check
-    return _build_units(response, domain, spans, nonws, alnum, max_unit_tokens, min_unit_tokens), check
+        return None, None, check
+    units, core = _build_units(response, domain, facts, alnum, max_unit_tokens, min_unit_tokens)
+    return units, core, check
 
 
 def _build_units(
-    response: str, domain: str | None, spans: np.ndarray, nonws: np.ndarray, alnum: np.ndarray,
-    max_unit_tokens: int, min_unit_tokens: int,
-) -> list[Unit]:
-    """:func:`structural_units` on verified offsets (``spans`` (r, 2), character classes (n,))."""
+    response: str, domain: str | None, facts: _Spans, alnum: np.ndarray, max_unit_tokens: int, min_unit_tokens: int,
+) -> tuple[list[Unit], np.ndarray]:
+    """:func:`structural_units` on verified offsets, and the (r,) core mask (character classes (n,))."""
+    spans = facts.spans
     if spans.shape[0] == 0:
-        return []
+        return [], np.zeros(0, dtype=bool)
     segs = _segments(response, domain) or [_Seg(0, len(response), "sentence")]
-    drafts = _drafts(segs, _owners(segs, spans, nonws), spans)
+    drafts = _drafts(segs, _owners(segs, facts, len(response)), spans)
     drafts = _split_long(_merge_short(drafts, min_unit_tokens), max_unit_tokens)
-    alnum_before = np.concatenate([[0], np.cumsum(alnum)])  # (n+1,)
-    aligned = spans[:, 0] >= 0
-    safe = np.where(aligned[:, None], spans, 0)
-    has_alnum = alnum_before[safe[:, 1]] > alnum_before[safe[:, 0]]  # (r,) the token has a letter or digit
-    content = np.flatnonzero(aligned & has_alnum)  # core candidates, ascending
+    alnum_before = np.zeros(alnum.shape[0] + 1, dtype=np.int64)
+    np.cumsum(alnum, out=alnum_before[1:])
+    safe = np.where(facts.aligned[:, None], spans, 0)
+    core = facts.aligned & (alnum_before[safe[:, 1]] > alnum_before[safe[:, 0]])  # (r,) aligned, letter or digit
+    content = np.flatnonzero(core)  # core positions, ascending
     bounds = np.searchsorted(content, [d.start for d in drafts] + [drafts[-1].end]).tolist()
     content_list = content.tolist()
-    return [
-        Unit(
-            token_start=d.start,
-            token_end=d.end,
-            kind=d.kind,
-            mandatory=d.mandatory,
-            priority=PRIORITY.get(d.kind, 1),
-            core=tuple(content_list[bounds[i] : bounds[i + 1]]),
-            key=tuple(sorted(d.key)),
-        )
+    units = [
+        Unit(d.start, d.end, d.kind, d.mandatory, PRIORITY.get(d.kind, 1),
+             tuple(content_list[bounds[i] : bounds[i + 1]]), tuple(sorted(d.key)) if d.key else ())
         for i, d in enumerate(drafts)
     ]
+    return units, core
