@@ -66,10 +66,21 @@ def test_a_failed_copy_leaves_no_checkpoint_and_the_previous_one_is_restored(tmp
     monkeypatch.setattr(shutil, "copytree", copy_half_then_die)
     with pytest.raises(OSError, match="disk full"):
         _report(session, tmp_path, 4)
-    names = _steps(tmp_path / "run")
-    assert [n for n in names if not n.startswith(".")] == ["checkpoint_step_00000002"]
-    assert len(names) == 2 and names[0].startswith(".checkpoint_step_00000004.tmp-")  # the partial copy, hidden
+    assert _steps(tmp_path / "run") == ["checkpoint_step_00000002"]  # the partial copy is deleted with the error
     with session.restore_dir() as path:
+        assert path.endswith("checkpoint_step_00000002")
+
+
+def test_partial_copies_of_a_killed_save_are_removed_when_the_next_session_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    _report(TaskSession(str(run_dir), keep_checkpoints=2), tmp_path, 2)
+    partial = run_dir / ".checkpoint_step_00000004.tmp-0a1b2c3d"  # what a kill during copytree leaves
+    partial.mkdir()
+    (partial / "state.txt").write_text("half")
+    (run_dir / ".keep-me").mkdir()  # not a checkpoint copy: left alone
+    resumed = TaskSession(str(run_dir), keep_checkpoints=2)
+    assert _steps(run_dir) == [".keep-me", "checkpoint_step_00000002"]
+    with resumed.restore_dir() as path:
         assert path.endswith("checkpoint_step_00000002")
 
 

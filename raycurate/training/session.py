@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 FAULT_ENV = "RAYCURATE_FAULT_KILL"
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint_step_(\d{8})$")  # Ray Train's folder names (checkpoint_dir_name)
+PARTIAL_CHECKPOINT_PATTERN = re.compile(r"^\.checkpoint_step_\d{8}\.tmp-[0-9a-f]{8}$")  # a copy not renamed yet
 
 
 class TrainSession(Protocol):
@@ -130,12 +131,23 @@ def checkpoint_dir_name(step: int) -> str:
     return f"checkpoint_step_{step:08d}"
 
 
+def remove_partial_checkpoints(run_dir: str) -> list[str]:
+    """Delete the hidden ``.checkpoint_step_<8 digits>.tmp-<8 hex>`` copies of a killed save; returns their names."""
+    partial = sorted(name for name in os.listdir(run_dir) if PARTIAL_CHECKPOINT_PATTERN.match(name))
+    for name in partial:
+        shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+    if partial:
+        logger.info("removed %d partial checkpoint copies of a killed save in %s: %s", len(partial), run_dir, partial)
+    return partial
+
+
 class TaskSession:
     """:class:`TrainSession` of a single process (rank 0 of 1) that keeps its checkpoints in ``run_dir``.
 
     Checkpoints are ``run_dir/checkpoint_step_<8 digits>`` (Ray Train's folder naming), each copied to a hidden
     temp folder and renamed into place, so a folder with that name is always complete; the newest
-    ``keep_checkpoints`` are kept.  A killed and re-run task resumes from the newest one.
+    ``keep_checkpoints`` are kept.  A killed and re-run task resumes from the newest one; the hidden copies a killed
+    task left behind are removed when the next session on ``run_dir`` starts (one training writes a run_dir).
 
     Args:
         run_dir: The run's checkpoint folder (``storage_dir/name``); created when missing.
@@ -151,6 +163,7 @@ class TaskSession:
         self.run_dir, self.keep = os.path.abspath(run_dir), keep_checkpoints
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         os.makedirs(self.run_dir, exist_ok=True)
+        remove_partial_checkpoints(self.run_dir)
 
     def checkpoints(self) -> list[str]:
         """The complete checkpoint folders, oldest first (by step)."""
@@ -170,7 +183,11 @@ class TaskSession:
             return
         final = os.path.join(self.run_dir, checkpoint_dir_name(metrics["step"]))
         tmp = os.path.join(self.run_dir, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
-        shutil.copytree(checkpoint_dir, tmp)
+        try:
+            shutil.copytree(checkpoint_dir, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if os.path.exists(final):  # the same step written again (a re-run that re-trains it): the new one wins
             shutil.rmtree(final)
         os.rename(tmp, final)
