@@ -16,7 +16,14 @@ from raycurate.algorithms.closure import (
     unit_quality,
 )
 from raycurate.algorithms.selection import greedy_density, knapsack_dp
-from raycurate.algorithms.units import Unit, pairs_from_flat, spans_from_flat, structural_units, verify_alignment
+from raycurate.algorithms.units import (
+    Unit,
+    pairs_from_flat,
+    spans_from_flat,
+    structural_units,
+    units_and_core,
+    verify_alignment,
+)
 
 MATH = (
     "She buys 3 toy cars at 6 dollars each, so 3 * 6 = 18 dollars.\n"
@@ -421,6 +428,21 @@ def test_span_array_offsets_project_exactly_like_pairs(tokenized):
         assert from_array.units == from_pairs.units and not from_array.fallback
         np.testing.assert_array_equal(from_array.mask, from_pairs.mask)
         assert (from_array.chosen_units, from_array.solver) == (from_pairs.chosen_units, from_pairs.solver)
+
+
+def test_core_mask_from_the_unit_builder_projects_like_the_units_core_fields(tokenized):
+    for name, (text, offsets) in tokenized.items():
+        domain = "math" if name == "unicode" else name
+        units, core, check = units_and_core(text, domain, offsets)
+        assert check.ok and core.tolist() == [any(j in (u.core or ()) for u in units) for j in range(len(offsets))]
+        scores = np.sin(np.arange(len(offsets)) * 2.3)
+        budget = len(offsets) // 2
+        with_mask = closure_projection(scores, units, budget, core_mask=core)
+        from_units = closure_projection(scores, units, budget)
+        np.testing.assert_array_equal(with_mask.mask, from_units.mask)
+        assert with_mask.chosen_units == from_units.chosen_units
+    with pytest.raises(ValueError, match="core_mask"):
+        closure_projection(scores, units, budget, core_mask=core[:-1])
 
 
 def test_spans_from_flat_pairs_up_and_rejects_odd_lengths():

@@ -304,6 +304,7 @@ def closure_projection(
     eps: float = EPS,
     dp_capacity_limit: int = DP_CAPACITY_LIMIT,
     complete_budget: bool = True,
+    core_mask: np.ndarray | None = None,
 ) -> ClosureResult:
     """Project the response selection onto structural units under the budget ``b_r`` (paper eq. 11, App. G.1).
 
@@ -318,6 +319,8 @@ def closure_projection(
         eps: Size smoothing of ``q`` (default 1.0).
         dp_capacity_limit: Exact DP when the residual capacity is at most this, greedy by density above.
         complete_budget: Fill the residual with single positions so the mask holds exactly ``b_r``.
+        core_mask: (r,) bool union of the units' cores when the caller has it (:func:`units.units_and_core`);
+            None builds it from the units' ``core`` fields.
 
     Returns:
         :class:`ClosureResult`; ``mask.sum() <= b_r`` always (``== b_r`` with ``complete_budget``).
@@ -329,35 +332,19 @@ def closure_projection(
     scores = np.asarray(scores, dtype=np.float64)
     units = list(units or [])
     _check_inputs(scores, units, b_r)
-    return _project(scores, units, None, b_r, token_mask=token_mask, tau=tau, alpha=alpha, eps=eps,
-                    dp_capacity_limit=dp_capacity_limit, complete_budget=complete_budget)
-
-
-def _project(
-    scores: np.ndarray,
-    units: list[Unit],
-    core: np.ndarray | None,
-    b_r: int,
-    *,
-    token_mask: np.ndarray | None = None,
-    tau: float | None = None,
-    alpha: float = ALPHA,
-    eps: float = EPS,
-    dp_capacity_limit: int = DP_CAPACITY_LIMIT,
-    complete_budget: bool = True,
-) -> ClosureResult:
-    """:func:`closure_projection` on checked inputs; ``core`` (r,) bool is the union of the unit cores (None:
-    built from the units)."""
+    if core_mask is not None and np.shape(core_mask) != scores.shape:
+        raise ValueError(f"core_mask must be (r,)={scores.shape}, the union of the units' cores; got "
+                         f"{np.shape(core_mask)}")
     token_mask = _token_mask(scores, token_mask, b_r)
     if not units:
         return _fallback(scores, token_mask, units, "no structural units")
     mask = np.zeros(scores.shape[0], dtype=bool)
     whole, capacity, partial = _take_mandatory(units, scores, mask, b_r)
     optional = [i for i, u in enumerate(units) if not u.mandatory]
-    if core is None:
+    if core_mask is None:
         unit_id, core = _unit_index(units, scores.shape[0], partition=True)
     else:
-        unit_id = np.repeat(np.arange(len(units)), [u.size for u in units])
+        unit_id, core = np.repeat(np.arange(len(units)), [u.size for u in units]), np.asarray(core_mask, dtype=bool)
     q = _quality(scores, unit_id, core, len(units), tau, alpha, eps)  # (M,)
     positive = np.bincount(unit_id, weights=np.maximum(scores, 0.0), minlength=len(units))  # (M,)
     picked, solver = _select_optional(units, optional, q, positive, capacity, dp_capacity_limit)
@@ -420,5 +407,4 @@ def project_response(
     if units is None:
         _check_inputs(scores, [], b_r)
         return _fallback(scores, _token_mask(scores, token_mask, b_r), [], f"alignment: {check.reason}")
-    _check_inputs(scores, units, b_r)
-    return _project(scores, units, core, b_r, token_mask=token_mask, **projection_kwargs)
+    return closure_projection(scores, units, b_r, token_mask=token_mask, core_mask=core, **projection_kwargs)
