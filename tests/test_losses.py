@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from raycurate.algorithms.losses import example_losses, token_losses, weighted_batch_loss
+from raycurate.algorithms.losses import (
+    example_losses,
+    logit_window,
+    mean_supervised_loss,
+    model_token_losses,
+    token_losses,
+    weighted_batch_loss,
+    window_token_losses,
+)
 
 
 def _log_softmax_at(row: list[float], index: int) -> float:
@@ -85,3 +93,67 @@ def test_gradient_flows_only_through_supervised_logits():
     grad_norm_per_position = logits.grad[0].abs().sum(dim=-1)  # (T,)
     assert grad_norm_per_position[1].item() > 0  # logits[1] predict the supervised position 2
     assert grad_norm_per_position[[0, 2, 3]].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_logit_window_spans_first_to_last_supervised_column_and_ignores_column_0():
+    mask = torch.tensor([[1, 0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 0]])  # column 0 has no prediction
+    assert logit_window(mask) == (1, 5)  # logits 1..4 predict targets 2..5; the window ends at the last target
+    assert logit_window(torch.tensor([[1, 0, 0]])) is None
+    assert logit_window(torch.zeros(2, 4)) is None
+
+
+def test_window_token_losses_equal_token_losses_on_the_full_logits():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 9, 7, generator=gen)
+    input_ids = torch.randint(0, 7, (3, 9), generator=gen)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 1, 0, 1, 0, 0]])
+    start, stop = logit_window(mask)
+    assert (start, stop) == (2, 9)
+    got = window_token_losses(logits[:, start:stop], input_ids, mask, (start, stop))
+    assert torch.equal(got, token_losses(logits, input_ids, mask))
+
+
+def _tiny_causal_lm(kind: str) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
+    config = config_cls(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    return model_cls(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_model_token_losses_equal_the_full_logits_losses_and_their_gradients(kind):
+    model = _tiny_causal_lm(kind)
+    gen = torch.Generator().manual_seed(4)
+    input_ids = torch.randint(1, 40, (3, 12), generator=gen)
+    attention_mask = torch.ones(3, 12, dtype=torch.long)
+    attention_mask[1, 9:] = 0  # right padding
+    input_ids[1, 9:] = 0
+    loss_mask = torch.zeros(3, 12, dtype=torch.long)
+    loss_mask[0, 5:] = 1
+    loss_mask[1, 4:9] = 1
+    loss_mask[2, 7:11] = 1
+    windowed = model_token_losses(model, input_ids, attention_mask, loss_mask)
+    full = token_losses(model(input_ids=input_ids, attention_mask=attention_mask).logits, input_ids, loss_mask)
+    assert torch.allclose(windowed, full, atol=1e-6, rtol=0)
+    assert (windowed[loss_mask == 0] == 0).all()
+
+    grads = []
+    for per_token in (windowed, full):
+        model.zero_grad()
+        mean_supervised_loss(per_token, loss_mask).sum().backward()
+        grads.append(model.model.embed_tokens.weight.grad.clone())
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    assert mean_supervised_loss(full, loss_mask).tolist() == pytest.approx(
+        example_losses(model(input_ids=input_ids, attention_mask=attention_mask).logits, input_ids,
+                       loss_mask).tolist(), abs=1e-6)
+
+
+def test_model_token_losses_without_supervised_positions_skip_the_model():
+    def forbidden(**_):
+        raise AssertionError("no forward is needed when nothing is supervised")
+
+    got = model_token_losses(forbidden, torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5), torch.zeros(2, 5))
+    assert got.shape == (2, 5) and not got.any()

@@ -45,10 +45,78 @@ def example_losses(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: tor
     Returns:
         (B,) float32 mean loss per example; 0 for an example without supervised positions.
     """
-    per_token = token_losses(logits, input_ids, loss_mask)  # (B, T)
+    return mean_supervised_loss(token_losses(logits, input_ids, loss_mask), loss_mask)
+
+
+def mean_supervised_loss(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) mean of (B, T) per-position losses over each row's supervised positions (t = 0 never counts)."""
     counted = (loss_mask != 0).to(torch.float32)
     counted[:, 0] = 0.0
     return per_token.sum(dim=1) / counted.sum(dim=1).clamp_min(1.0)
+
+
+def logit_window(supervised: torch.Tensor) -> tuple[int, int] | None:
+    """The positions ``[start, stop)`` whose logits predict every supervised target of a batch.
+
+    ``logits[:, t]`` predicts ``input_ids[:, t + 1]``, so the window runs from one before the first supervised
+    column to the last one (its own logit is not needed but keeps the window aligned with ``input_ids``).
+
+    Args:
+        supervised: (B, T) nonzero where ``input_ids[:, t]`` is a supervised target; column 0 is ignored.
+
+    Returns:
+        ``(start, stop)`` with ``start >= 0``, or None when no position from t = 1 on is supervised.
+    """
+    cols = (supervised[:, 1:] != 0).any(dim=0).nonzero().squeeze(1) + 1  # supervised columns, >= 1
+    if cols.numel() == 0:
+        return None
+    return int(cols[0]) - 1, int(cols[-1]) + 1
+
+
+def window_token_losses(
+    window_logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, window: tuple[int, int]
+) -> torch.Tensor:
+    """:func:`token_losses` from the logits of a window of positions only, placed back on the whole row.
+
+    Args:
+        window_logits: (B, W, V) logits of positions ``start .. stop - 1`` (``W = stop - start``).
+        input_ids: (B, T) token ids.
+        loss_mask: (B, T) supervised-target mask.
+        window: ``(start, stop)`` from :func:`logit_window` on ``loss_mask``.
+
+    Returns:
+        (B, T) float32 losses, equal to :func:`token_losses` on the full logits.
+    """
+    start, stop = window
+    losses = window_logits.new_zeros(input_ids.shape, dtype=torch.float32)
+    losses[:, start:stop] = token_losses(window_logits, input_ids[:, start:stop], loss_mask[:, start:stop])
+    return losses
+
+
+def model_token_losses(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """Per-position losses of one causal-LM forward that forms logits only over the supervised window.
+
+    Equal to ``token_losses(model(...).logits, ...)`` but without the vocabulary projection and softmax of the
+    positions before the first and after the last supervised target (``logits_to_keep``; the prompt side of an
+    SFT row).  Gradients flow when the caller enables them.
+
+    Args:
+        model: A Hugging Face causal LM (``logits_to_keep`` and ``use_cache`` keywords), or a PEFT wrapper of one.
+        input_ids: (B, T) token ids, right-padded.
+        attention_mask: (B, T) 1 on real tokens.
+        loss_mask: (B, T) supervised-target mask (0 on padding).
+
+    Returns:
+        (B, T) float32 losses; 0 at unsupervised positions and at t = 0.
+    """
+    window = logit_window(loss_mask)
+    if window is None:
+        return torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    keep = torch.arange(*window, device=input_ids.device)  # (W,)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep).logits
+    return window_token_losses(logits, input_ids, loss_mask, window)
 
 
 def weighted_batch_loss(per_example: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

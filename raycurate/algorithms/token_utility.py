@@ -40,7 +40,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from raycurate.algorithms.losses import example_losses, token_losses
+from raycurate.algorithms.losses import example_losses, logit_window, token_losses
 
 # Attention implementations whose SDPA calls become forward-AD capable under the MATH backend.
 _MATH_SDPA_COMPATIBLE = ("sdpa", "eager", "raycurate_selective_eager", "raycurate_key_scaled_eager")
@@ -356,8 +356,7 @@ def token_utilities(
     utilities = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     if not supervised.any():
         return utilities
-    cols = supervised.any(dim=0).nonzero().squeeze(1)
-    start, stop = int(cols[0]) - 1, int(cols[-1]) + 1  # logits at [start, stop) predict [start + 1, stop]
+    start, stop = logit_window(supervised)  # logits at [start, stop) predict [start + 1, stop]
     keep = torch.arange(start, stop, device=input_ids.device)  # (W,)
     window_ids, window_mask = input_ids[:, start:stop], supervised[:, start:stop]  # (B, W)
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, "logits_to_keep": keep}

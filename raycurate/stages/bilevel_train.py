@@ -304,13 +304,18 @@ class _LossRecorder:
         self.per_slot: list[Any] = []
 
     def __call__(self, logits: Any, batch: dict[str, Any]) -> Any:
-        from raycurate.algorithms.losses import example_losses, token_losses, weighted_batch_loss
+        from raycurate.algorithms.losses import token_losses
+
+        return self.record(token_losses(logits, batch["input_ids"], batch["loss_mask"]), batch)
+
+    def record(self, per_token: Any, batch: dict[str, Any]) -> Any:
+        """Keep each slot's plain loss from (B, T) per-position losses; return the weighted batch loss."""
+        from raycurate.algorithms.losses import mean_supervised_loss, weighted_batch_loss
 
         if "slot" not in batch:
-            per_example = example_losses(logits, batch["input_ids"], batch["loss_mask"])  # (B,)
+            per_example = mean_supervised_loss(per_token, batch["loss_mask"])  # (B,)
             self.per_slot.append(per_example.detach().float().cpu())
             return weighted_batch_loss(per_example, batch["weight"])
-        per_token = token_losses(logits, batch["input_ids"], batch["loss_mask"])  # (R, T)
         weighted, plain = bmo.grouped_response_losses(
             per_token, batch["loss_mask"], batch["old_logp"], batch["generated"], batch["slot"],
             len(batch["weight"]), self.mode, self.clip)  # (S,), (S,)
@@ -331,6 +336,8 @@ def no_grad_losses(ctx: StepContext, slots: list[Any]) -> np.ndarray:
     """
     import torch
 
+    from raycurate.algorithms.losses import model_token_losses
+
     module = ctx.engine.module
     bf16 = bool(getattr(ctx.engine, "bf16", False))
     recorder = _LossRecorder(ctx.bds.importance, ctx.bds.importance_clip)
@@ -342,8 +349,10 @@ def no_grad_losses(ctx: StepContext, slots: list[Any]) -> np.ndarray:
                 batch = to_device(collate_slots(ctx.table, slots[lo:lo + ctx.cfg.micro_batch_size], ctx.pad_id),
                                    ctx.device)
                 with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16):
-                    logits = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                recorder(logits, batch)
+                    # Logits of the supervised window only: the prompt side needs no vocabulary projection here.
+                    per_token = model_token_losses(module, batch["input_ids"], batch["attention_mask"],
+                                                   batch["loss_mask"])  # (B, T)
+                recorder.record(per_token, batch)
     finally:
         module.train(was_training)
     return recorder.losses()
