@@ -507,3 +507,27 @@ def test_deepspeed_config_offload_blocks_and_errors():
         deepspeed_config(TrainConfig(zero_stage=2, offload_params=True), 2, bf16=False)
     with pytest.raises(ValueError, match="engine=deepspeed"):
         deepspeed_config(TrainConfig(zero_stage=0, offload_optimizer=True), 2, bf16=False)
+
+
+def test_engine_step_loss_and_gradients_equal_the_full_logit_sft_loss(tiny_model, token_table):
+    from transformers import AutoModelForCausalLM
+
+    from raycurate.algorithms.losses import example_losses, weighted_batch_loss
+    from raycurate.training.batches import sft_loss
+    from raycurate.training.engines import build_engine
+
+    table = load_token_table(token_table)
+    batch = collate(table, np.array([0, 3, 5, 8]), pad_id=0)  # prompts of 2-4 tokens, right padding
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model)
+    logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+    expected = weighted_batch_loss(example_losses(logits, batch["input_ids"], batch["loss_mask"]), batch["weight"])
+    expected.backward()
+
+    cfg = TrainConfig(engine="ddp", num_workers=1, micro_batch_size=4, effective_batch_size=4, lr=0.0,
+                      warmup_ratio=0.0, grad_clip=0.0)
+    engine = build_engine(AutoModelForCausalLM.from_pretrained(tiny_model), cfg, run_steps=1,
+                          device=torch.device("cpu"), bf16=False)
+    loss = engine.train_micro_batch(batch, sft_loss, is_boundary=False)  # no optimizer step: keep the gradients
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    for (name, got), want in zip(engine.module.named_parameters(), reference.parameters()):
+        assert torch.allclose(got.grad, want.grad, atol=1e-6), name

@@ -119,6 +119,13 @@ def model_token_losses(
     return window_token_losses(logits, input_ids, loss_mask, window)
 
 
+def model_example_losses(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """(B,) :func:`example_losses` of one forward of ``model``, logits only over the supervised window."""
+    return mean_supervised_loss(model_token_losses(model, input_ids, attention_mask, loss_mask), loss_mask)
+
+
 def weighted_batch_loss(per_example: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Batch loss ``sum_i w_i * l_i / B``: each weight scales its own example, no renormalisation.
 

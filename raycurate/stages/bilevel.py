@@ -330,7 +330,7 @@ def mean_loss_task(model_dir: str, tokens_dir: str, batch_size: int = 16) -> dic
     import torch
 
     from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import example_losses
+    from raycurate.algorithms.losses import model_example_losses
     from raycurate.models.loading import best_device, load_model, load_tokenizer
 
     device = best_device()
@@ -341,8 +341,8 @@ def mean_loss_task(model_dir: str, tokens_dir: str, batch_size: int = 16) -> dic
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
             batch = {k: v.to(device) for k, v in pad_rows(rows[start:start + batch_size], pad_id).items()}
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-            losses.extend(example_losses(logits, batch["input_ids"], batch["loss_mask"]).cpu().tolist())
+            losses.extend(model_example_losses(model, batch["input_ids"], batch["attention_mask"],
+                                               batch["loss_mask"]).cpu().tolist())
     return {"rows": len(losses), "loss": sum(losses) / max(len(losses), 1)}
 
 

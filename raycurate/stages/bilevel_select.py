@@ -185,7 +185,7 @@ def warmup_lora(model: Any, rows: list[dict], *, pad_id: int, epochs: int, lr: f
     import torch
 
     from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import example_losses
+    from raycurate.algorithms.losses import model_example_losses
 
     params = [p for _, p in trainable_named(model)]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # LESS trains with HF's default decay 0
@@ -199,8 +199,7 @@ def warmup_lora(model: Any, rows: list[dict], *, pad_id: int, epochs: int, lr: f
         for lo in range(0, len(rows), batch_size):
             batch = {k: v.to(device) for k, v in pad_rows([rows[i] for i in order[lo:lo + batch_size]],
                                                           pad_id).items()}
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
-            loss = example_losses(logits, batch["input_ids"], batch["loss_mask"]).mean()
+            loss = model_example_losses(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -237,15 +236,14 @@ def example_gradients(model: Any, rows: list[dict], params: list[Any], *, pad_id
     import torch
 
     from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import example_losses
+    from raycurate.algorithms.losses import model_example_losses
 
     device = params[0].device
     for lo in range(0, len(rows), chunk):
         grads = []
         for row in rows[lo:lo + chunk]:
             batch = {k: v.to(device) for k, v in pad_rows([row], pad_id).items()}
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (1, T, V)
-            loss = example_losses(logits, batch["input_ids"], batch["loss_mask"])[0]
+            loss = model_example_losses(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])[0]
             grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]).float())  # (P,)
         yield torch.stack(grads)
 

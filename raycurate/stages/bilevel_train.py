@@ -65,7 +65,7 @@ import numpy as np
 from raycurate.algorithms import bilevel, bmo
 from raycurate.config.train import TrainConfig
 from raycurate.stages.train import check_launcher, launch_trainer, worker_resources
-from raycurate.training.batches import TokenTable, load_token_table, stack_tables, to_device
+from raycurate.training.batches import TokenTable, batch_token_losses, load_token_table, stack_tables, to_device
 from raycurate.training.bds_online import (
     ONLINE_STATE_FILE,
     OnlineResponses,
@@ -303,12 +303,7 @@ class _LossRecorder:
         self.mode, self.clip = mode, clip
         self.per_slot: list[Any] = []
 
-    def __call__(self, logits: Any, batch: dict[str, Any]) -> Any:
-        from raycurate.algorithms.losses import token_losses
-
-        return self.record(token_losses(logits, batch["input_ids"], batch["loss_mask"]), batch)
-
-    def record(self, per_token: Any, batch: dict[str, Any]) -> Any:
+    def __call__(self, per_token: Any, batch: dict[str, Any]) -> Any:
         """Keep each slot's plain loss from (B, T) per-position losses; return the weighted batch loss."""
         from raycurate.algorithms.losses import mean_supervised_loss, weighted_batch_loss
 
@@ -336,8 +331,6 @@ def no_grad_losses(ctx: StepContext, slots: list[Any]) -> np.ndarray:
     """
     import torch
 
-    from raycurate.algorithms.losses import model_token_losses
-
     module = ctx.engine.module
     bf16 = bool(getattr(ctx.engine, "bf16", False))
     recorder = _LossRecorder(ctx.bds.importance, ctx.bds.importance_clip)
@@ -350,9 +343,8 @@ def no_grad_losses(ctx: StepContext, slots: list[Any]) -> np.ndarray:
                                    ctx.device)
                 with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16):
                     # Logits of the supervised window only: the prompt side needs no vocabulary projection here.
-                    per_token = model_token_losses(module, batch["input_ids"], batch["attention_mask"],
-                                                   batch["loss_mask"])  # (B, T)
-                recorder.record(per_token, batch)
+                    per_token = batch_token_losses(module, batch)  # (B, T)
+                recorder(per_token, batch)
     finally:
         module.train(was_training)
     return recorder.losses()

@@ -131,7 +131,7 @@ def row_token_losses(models: dict[str, Any], rows: list[dict], pad_id: int, *, w
     import torch
 
     from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import token_losses
+    from raycurate.algorithms.losses import model_token_losses
 
     out = {}
     for name, model in models.items():
@@ -139,8 +139,7 @@ def row_token_losses(models: dict[str, Any], rows: list[dict], pad_id: int, *, w
         batch = {k: v.to(device) for k, v in pad_rows(rows, pad_id).items()}
         mask = batch["attention_mask"] if whole_row else batch["loss_mask"]
         with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-            out[name] = token_losses(logits, batch["input_ids"], mask).cpu()
+            out[name] = model_token_losses(model, batch["input_ids"], batch["attention_mask"], mask).cpu()
     return out
 
 

@@ -186,7 +186,7 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
     import torch
 
     from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import example_losses
+    from raycurate.algorithms.losses import model_example_losses
     from raycurate.data.answers import answers_match, equation_counts, extract_final_answer
     from raycurate.data.tokenize import is_rejection, tokenize_record
     from raycurate.models.generation import generate_greedy
@@ -205,8 +205,8 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
             device = next(model.parameters()).device
             batch = {k: v.to(device) for k, v in pad_rows(token_rows[start:start + batch_size],
                                                           tokenizer.pad_token_id).items()}
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-            gold_losses.extend(example_losses(logits, batch["input_ids"], batch["loss_mask"]).cpu().tolist())
+            gold_losses.extend(model_example_losses(model, batch["input_ids"], batch["attention_mask"],
+                                                    batch["loss_mask"]).cpu().tolist())
     sampled = None
     if samples > 0:
         sampled = sampled_answer_scores(model, tokenizer, rows, prompts, n=samples, temperature=temperature,

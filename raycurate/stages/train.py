@@ -146,7 +146,7 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
     Args:
         job: Inputs, outputs and config.
         session: Runtime (rank, world size, device, checkpoint restore/report).
-        loss_fn: ``(logits (B, T, V), batch) -> ()`` loss of one micro-batch.
+        loss_fn: ``(per_token (B, T), batch) -> ()`` loss of one micro-batch (see :data:`LossFn`).
 
     Returns:
         The final metrics (same on every rank; rank 0 also writes them to ``output_dir``).

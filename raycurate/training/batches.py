@@ -12,7 +12,8 @@ from typing import Any, Callable
 import numpy as np
 
 LossFn = Callable[[Any, dict[str, Any]], Any]
-"""``(logits (B, T, V), batch) -> ()`` loss of one micro-batch."""
+"""``(per_token (B, T), batch) -> ()`` loss of one micro-batch from its per-position losses
+(:func:`raycurate.algorithms.losses.model_token_losses`; the engines form logits only over the supervised window)."""
 
 
 @dataclass
@@ -132,17 +133,29 @@ def to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def sft_loss(logits: Any, batch: dict[str, Any]) -> Any:
+def batch_token_losses(model: Any, batch: dict[str, Any]) -> Any:
+    """(B, T) per-position losses of a collated batch; logits only over its supervised window.
+
+    Args:
+        model: The causal LM, or a DDP / DeepSpeed / PEFT wrapper that forwards keyword arguments to it.
+        batch: Output of :func:`collate` (``input_ids``, ``attention_mask``, ``loss_mask``) on the model's device.
+    """
+    from raycurate.algorithms.losses import model_token_losses
+
+    return model_token_losses(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+
+
+def sft_loss(per_token: Any, batch: dict[str, Any]) -> Any:
     """Default loss: per-example masked mean token loss, weighted per example (``sum w_i l_i / B``).
 
     Args:
-        logits: (B, T, V) model outputs.
-        batch: Output of :func:`collate` on the logits' device.
+        per_token: (B, T) per-position losses (0 where ``loss_mask`` is 0).
+        batch: Output of :func:`collate` on the losses' device.
 
     Returns:
         () scalar loss.
     """
-    from raycurate.algorithms.losses import example_losses, weighted_batch_loss
+    from raycurate.algorithms.losses import mean_supervised_loss, weighted_batch_loss
 
-    per_example = example_losses(logits, batch["input_ids"], batch["loss_mask"])  # (B,)
+    per_example = mean_supervised_loss(per_token, batch["loss_mask"])  # (B,)
     return weighted_batch_loss(per_example, batch["weight"])

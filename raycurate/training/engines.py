@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from raycurate.config.train import TrainConfig
 from raycurate.models.optim import cosine_with_warmup, decay_param_groups
-from raycurate.training.batches import LossFn
+from raycurate.training.batches import LossFn, batch_token_losses
 from raycurate.training.deepspeed_config import UNIVERSAL_CLIENT_STATE, deepspeed_config, grad_accum_steps
 from raycurate.training.zero_checkpoint import (
     DS_TAG,
@@ -110,8 +110,8 @@ class DDPEngine:
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
         with sync:
             with autocast:
-                logits = self.wrapped(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = loss_fn(logits, batch)
+                per_token = batch_token_losses(self.wrapped, batch)  # (B, T)
+            loss = loss_fn(per_token, batch)
             (loss / self.accum).backward()
         if is_boundary:
             if self.cfg.grad_clip > 0:
@@ -200,8 +200,7 @@ class DeepSpeedEngine:
                 "DeepSpeed's micro-step count disagrees with the training loop's accumulation boundary; "
                 "gradient_accumulation_steps in the DeepSpeed config must equal the loop's."
             )
-        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = loss_fn(logits, batch)
+        loss = loss_fn(batch_token_losses(self.engine, batch), batch)
         self.engine.backward(loss)  # scales by 1 / gradient_accumulation_steps
         self.engine.step()
         return loss.detach()
