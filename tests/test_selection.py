@@ -296,3 +296,9 @@ def test_select_rejects_non_finite_and_misshaped_inputs():
         select(bad, GAMMA, 1, 1)
     with pytest.raises(ValueError, match="gamma"):
         select(BETA, GAMMA[:2], 1, 1)
+
+
+def test_select_accepts_finite_inputs_whose_sum_overflows():
+    big = np.full((2, 3), 1e308)  # finite entries, but beta.sum() is inf
+    res = select(big, np.zeros(3), 1, 2)
+    assert res.realised_budgets == (1, 2)
