@@ -11,7 +11,8 @@ from typing import Any
 
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage, scratch_dir, stage_hash
-from raycurate.stages.ray_data import dataset_from_rows, map_with_actor_pool, resolve_pool
+from raycurate.stages.ray_data import resolve_pool
+from raycurate.stages.warm_tasks import map_rows_on_tasks
 
 log = logging.getLogger("raycurate")
 
@@ -253,7 +254,7 @@ def sampled_answer_scores(model: Any, tokenizer: Any, rows: list[dict], prompts:
 
 def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: str, eval_cfg: Any,
                    max_length: int, force: bool = False) -> dict:
-    """Evaluate a checkpoint on the held-out set on a Ray Data actor pool; writes ``predictions.parquet``."""
+    """Evaluate a checkpoint on the held-out set on ``eval.pool`` Ray tasks; writes ``predictions.parquet``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -261,18 +262,20 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
     heldout = output_path(run, heldout_stage, "heldout")
 
     def body(out: Path) -> StageOutput:
+        import ray.data
+
         rows = [json.loads(line) for line in heldout.read_text().splitlines() if line.strip()]
         pool = resolve_pool(eval_cfg.pool)
-        ds = dataset_from_rows(rows, pool.batch_size)
-        ds = map_with_actor_pool(
-            ds, EvaluateUDF,
+        # Tasks, not a Ray Data actor pool: the run's evaluations reuse warm worker processes (imports paid once).
+        predictions = map_rows_on_tasks(
+            rows, EvaluateUDF,
             {"model_dir": str(model_dir), "max_length": max_length, "max_new_tokens": eval_cfg.max_new_tokens,
              "batch_size": eval_cfg.batch_size, "threads": max(1, int(round(pool.num_cpus))),
              "samples": eval_cfg.samples, "temperature": eval_cfg.temperature, "seed": eval_cfg.seed,
              "stage": stage},
-            pool,
+            pool, progress=ray.data.DataContext.get_current().enable_progress_bars,
         )
-        result = pa.Table.from_pylist(ds.take_all()).sort_by("id")
+        result = pa.Table.from_pylist(predictions).sort_by("id")
         pq.write_table(result, out / "predictions.parquet")
         metrics = summarize_predictions(result.to_pylist())
         log.info("%s: %s", stage, ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
