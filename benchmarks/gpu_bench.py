@@ -295,7 +295,7 @@ def part_bds_step(shapes: Shapes, models: ModelCache, deadline: float, seed: int
     from peft import LoraConfig, get_peft_model
 
     from raycurate.algorithms import bilevel
-    from raycurate.algorithms.losses import example_losses, weighted_batch_loss
+    from raycurate.algorithms.losses import model_example_losses, weighted_batch_loss
 
     device = models.device
     model = get_peft_model(models.take(), LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0,
@@ -312,9 +312,8 @@ def part_bds_step(shapes: Shapes, models: ModelCache, deadline: float, seed: int
     cand_idx = np.arange(half, dtype=np.int64)
     state = {"omega": np.zeros(n_cand), "adam": bilevel.AdamState.zeros(n_cand)}
 
-    def losses(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return example_losses(logits, batch["input_ids"], batch["loss_mask"])
+    def losses(batch: dict[str, torch.Tensor]) -> torch.Tensor:  # logits of the supervised window, as the engines
+        return model_example_losses(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
 
     def lora_step() -> None:
         for batch in (val, cand):

@@ -63,7 +63,8 @@ class EvalConfig:
                           "bad rows included; greedy decoding hides a minority of bad rows.", ge=0)
     temperature: float = option(1.0, "Sampling temperature of the sampled answers.", gt=0)
     seed: int = option(0, "Seed of the sampled answers (each question's samples depend on it and the question id).")
-    pool: ActorPoolConfig = option(ActorPoolConfig(num_actors=2, batch_size=50), "Actor pool for evaluation.")
+    pool: ActorPoolConfig = option(ActorPoolConfig(num_actors=2, batch_size=50),
+                                 "Evaluation workers: num_actors Ray tasks, batch_size questions per call.")
     lm_eval_tasks: list[str] = option(
         [], "lm-eval tasks run on each main trained model: raycurate_heldout_em / raycurate_heldout_gold_ll (the "
         "embedded held-out set) and named harness tasks (arc_challenge, hellaswag, mmlu, humaneval, gsm8k, "
