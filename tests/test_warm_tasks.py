@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from raycurate.stages.ray_data import PoolResources
@@ -11,13 +9,13 @@ from raycurate.stages.warm_tasks import map_rows_on_tasks, row_groups
 
 
 class TagRows:
-    """Test UDF: doubles ``x`` and records which UDF instance (process and construction) saw each group."""
-
-    constructions = 0
+    """Test UDF: doubles ``x`` and records which UDF instance (one per construction) saw each group."""
 
     def __init__(self, offset: int) -> None:
-        TagRows.constructions += 1
-        self.offset, self.instance = offset, f"{os.getpid()}-{TagRows.constructions}"
+        import uuid
+
+        # uuid, not the pid: Ray may run the two (short) tasks one after the other in one worker process
+        self.offset, self.instance = offset, uuid.uuid4().hex
         self.calls = 0
 
     def __call__(self, batch):
