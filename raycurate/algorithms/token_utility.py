@@ -354,9 +354,10 @@ def token_utilities(
     params = _check_direction(model, direction)
     supervised = _supervised(attention_mask, loss_mask)  # (B, T)
     utilities = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-    if not supervised.any():
+    window = logit_window(supervised)  # logits at [start, stop) predict [start + 1, stop]
+    if window is None:
         return utilities
-    start, stop = logit_window(supervised)  # logits at [start, stop) predict [start + 1, stop]
+    start, stop = window
     keep = torch.arange(start, stop, device=input_ids.device)  # (W,)
     window_ids, window_mask = input_ids[:, start:stop], supervised[:, start:stop]  # (B, W)
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, "logits_to_keep": keep}
@@ -482,8 +483,7 @@ def knockout_prompt_scores(
     scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     if not weights.any() or not prompt.any():
         return scores
-    cols = (weights != 0).any(dim=0).nonzero().squeeze(1)
-    start, stop = int(cols[0]) - 1, int(cols[-1]) + 1  # logits at [start, stop) predict [start + 1, stop]
+    start, stop = logit_window(weights)  # logits at [start, stop) predict [start + 1, stop]
     names = list(params)
     tensors = [params[name] for name in names]
     vectors = [direction[name].detach().to(params[name].device, params[name].dtype) for name in names]

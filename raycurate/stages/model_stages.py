@@ -11,7 +11,7 @@ from typing import Any
 
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage, scratch_dir, stage_hash
-from raycurate.stages.ray_data import resolve_pool
+from raycurate.stages.ray_data import progress_bars_enabled, resolve_pool
 from raycurate.stages.warm_tasks import map_rows_on_tasks
 
 log = logging.getLogger("raycurate")
@@ -262,8 +262,6 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
     heldout = output_path(run, heldout_stage, "heldout")
 
     def body(out: Path) -> StageOutput:
-        import ray.data
-
         rows = [json.loads(line) for line in heldout.read_text().splitlines() if line.strip()]
         pool = resolve_pool(eval_cfg.pool)
         # Tasks, not a Ray Data actor pool: the run's evaluations reuse warm worker processes (imports paid once).
@@ -273,7 +271,7 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
              "batch_size": eval_cfg.batch_size, "threads": max(1, int(round(pool.num_cpus))),
              "samples": eval_cfg.samples, "temperature": eval_cfg.temperature, "seed": eval_cfg.seed,
              "stage": stage},
-            pool, progress=ray.data.DataContext.get_current().enable_progress_bars,
+            pool, progress=progress_bars_enabled(),
         )
         result = pa.Table.from_pylist(predictions).sort_by("id")
         pq.write_table(result, out / "predictions.parquet")

@@ -458,7 +458,7 @@ class IfdUDF:
 
         from raycurate.algorithms.bridge import pad_rows
         from raycurate.algorithms.ifd import ifd_scores
-        from raycurate.algorithms.losses import mean_supervised_loss, model_token_losses
+        from raycurate.algorithms.losses import model_example_losses
 
         require_columns(self.stage, batch, self.REQUIRED_COLUMNS)
         rows = batch.select(["input_ids", "prompt_len"]).to_pylist()
@@ -471,9 +471,8 @@ class IfdUDF:
             device = next(self.model.parameters()).device
             for table in (cond, alone):
                 padded = {k: v.to(device) for k, v in pad_rows(table, self.pad_id).items()}
-                per_token = model_token_losses(self.model, padded["input_ids"], padded["attention_mask"],
-                                               padded["loss_mask"])  # (B, T); no logits for the prompt side
-                losses.append(mean_supervised_loss(per_token, padded["loss_mask"]).cpu())
+                losses.append(model_example_losses(self.model, padded["input_ids"], padded["attention_mask"],
+                                                   padded["loss_mask"]).cpu())  # no logits for the prompt side
         return batch.append_column("ifd", pa.array(ifd_scores(losses[0], losses[1]).tolist(), type=pa.float64()))
 
 

@@ -60,6 +60,13 @@ def configure_data_context(*, progress: bool) -> Any:
     return ctx
 
 
+def progress_bars_enabled() -> bool:
+    """Whether the run shows driver-side progress bars (``run.progress``, set by :func:`configure_data_context`)."""
+    import ray.data
+
+    return bool(ray.data.DataContext.get_current().enable_progress_bars)
+
+
 def dataset_from_rows(rows: list[dict], rows_per_block: int) -> Any:
     """A ``ray.data.Dataset`` of in-memory rows in blocks of about ``rows_per_block`` rows.
 
