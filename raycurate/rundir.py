@@ -9,7 +9,8 @@ When ``run.runs_dir`` is a storage URI (``s3://bucket/prefix``, ``gs://...``, ``
 :mod:`raycurate.storage`) the run works in a local mirror folder and persists to the URI: a stage's folder is
 uploaded when it is recorded ``done`` and the manifest after it (the manifest is the commit point), and a run
 opened on a fresh machine downloads the manifest and every finished stage first, so it skips them.  ``_scratch/``
-(mid-stage training checkpoints) is never uploaded.
+(mid-stage training checkpoints, which DeepSpeed loads with pickle on resume) is never uploaded and never
+downloaded: no stage name may start with ``_`` or ``.`` or be a run-root file (:data:`RESERVED`).
 
 One writer at a time: :func:`open_run_dir` takes an exclusive ``flock`` on ``<root>/.lock`` (the local mirror's,
 for a remote run) and refuses a second process with a :class:`RunDirError` naming the holder's pid and host.  The
@@ -43,10 +44,11 @@ log = logging.getLogger("raycurate")
 
 MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
-SCRATCH = "_scratch"
+SCRATCH = "_scratch"  # local only: never uploaded, never downloaded
 MIRRORS = ".cache/raycurate/run-mirrors"
 LOCK = ".lock"
-STAGE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # no leading '_' / '.': those names are internal
+RESERVED = frozenset({MANIFEST, CONFIG, SCRATCH, LOCK, "report.html"})  # run-root entries that are never stages
 _TEMP_NAME = re.compile(r"^\.[^/]+\.(tmp|old-[0-9-]+|[0-9]+\.download)$")
 _HELD: dict[Path, Any] = {}  # run root -> open lock file of this process
 
@@ -56,10 +58,16 @@ class RunDirError(UserError):
 
 
 def check_stage_name(stage: str) -> str:
-    """``stage`` if it is a safe folder name (letters, digits, ``_ . -``; not ``.``/``..``), else RunDirError."""
-    if not isinstance(stage, str) or not STAGE_NAME.match(stage) or stage in (".", ".."):
-        raise RunDirError(f"stage name {stage!r} is not allowed (letters, digits, '_', '.', '-' only); a manifest "
-                          "naming it was written by something other than raycurate: check where it came from")
+    """``stage`` if it is a safe stage folder name, else RunDirError.
+
+    Allowed: letters, digits, ``_ . -``, starting with a letter or digit, and not a reserved run-root entry
+    (:data:`RESERVED`).  Internal folders such as ``_scratch`` (training checkpoints, loaded on resume) and
+    dot-files are therefore never stages, so a (remote) manifest naming them cannot make a run download into them.
+    """
+    if not isinstance(stage, str) or not STAGE_NAME.match(stage) or stage.lower() in RESERVED:
+        raise RunDirError(f"stage name {stage!r} is not allowed (letters, digits, '_', '.', '-' only, starting with "
+                          "a letter or digit, not an internal name such as _scratch); a manifest naming it was "
+                          "written by something other than raycurate: check where it came from")
     return stage
 
 

@@ -412,6 +412,39 @@ def test_tampered_remote_manifest_cannot_reach_outside_the_mirror(tmp_path, monk
     assert (victim / "precious.txt").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("name", ["_scratch", "_anything", ".lock", "manifest.json", "config.yaml"])
+def test_remote_manifest_cannot_name_internal_folders(name, tmp_path):
+    """A bucket writer lists ``_scratch`` (or another internal name) as a finished stage: nothing is downloaded,
+    the local training checkpoints (loaded with pickle by DeepSpeed on resume) stay as they were."""
+    from raycurate.rundir import RunDirError, open_run_dir
+
+    remote = tmp_path / "remote" / "r"
+    remote.mkdir(parents=True)
+    if name != "manifest.json":
+        (remote / name / "train").mkdir(parents=True)
+        (remote / name / "train" / "mp_rank_00_model_states.pt").write_bytes(b"evil pickle")
+    (remote / "manifest.json").write_text(json.dumps(
+        {"run": "r", "rows": {}, "stages": {name: {"status": "done", "outputs": {}}}}))
+    mirror = tmp_path / "mirror"
+    scratch = mirror / "r" / "_scratch" / "train"
+    scratch.mkdir(parents=True)
+    (scratch / "mp_rank_00_model_states.pt").write_bytes(b"own checkpoint")
+    with pytest.raises(RunDirError, match="is not allowed.*internal name"):
+        open_run_dir(f"file://{tmp_path / 'remote'}", "r", local_dir=mirror)
+    assert (scratch / "mp_rank_00_model_states.pt").read_bytes() == b"own checkpoint"
+    assert [p.name for p in scratch.iterdir()] == ["mp_rank_00_model_states.pt"]
+    if name not in ("manifest.json", "_scratch"):
+        assert not (mirror / "r" / name / "train").exists()
+
+
+def test_real_stage_names_are_still_allowed(tmp_path):
+    from raycurate.rundir import RunDir, check_stage_name
+
+    for name in ["ingest", "train_bds", "eval_base.v2", "0-stage"]:
+        assert check_stage_name(name) == name
+    assert RunDir(tmp_path / "run").stage_dir("train_bds") == (tmp_path / "run" / "train_bds").resolve()
+
+
 def test_output_paths_in_a_manifest_must_stay_under_the_run(tmp_path):
     from raycurate.rundir import RunDir, RunDirError
     from raycurate.stages.base import output_path
