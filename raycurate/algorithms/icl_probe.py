@@ -151,17 +151,20 @@ def assemble_prompt(
     demo_ids: Sequence[Sequence[int]],
     query_ids: Sequence[Sequence[int]],
     query_answer_ids: Sequence[Sequence[int]] | None = None,
+    separator: Sequence[int] = (),
 ) -> dict[str, list[int] | list[Span] | Span]:
     """Concatenate already-tokenised pieces into one probing prompt and record where each piece sits.
 
-    Layout: ``instruction, demo_1, ..., demo_n, query_1 [answer_1], ..., query_m [answer_m]``.  The caller renders
-    each piece (chat template, "Q:/A:" labels, separators) before tokenising; nothing is added here.
+    Layout: ``instruction, demo_1, sep, ..., demo_n, sep, query_1 [answer_1], sep, ..., query_m [answer_m]``.  The
+    caller renders each piece (chat template, "Q:/A:" labels) before tokenising; only ``separator`` is added here,
+    between consecutive rows (a row = a demonstration, or a query with its answer), in no span.
 
     Args:
         instruction_ids: Token ids of the task instruction (may be empty).
         demo_ids: Per demonstration, its token ids (prompt and response), each non-empty.
         query_ids: Per query, its token ids (prompt only), each non-empty.
         query_answer_ids: Per query, the gold answer ids appended right after it (teacher forcing), or None.
+        separator: Token ids between consecutive rows (ChatML: the newline after ``<|im_end|>``; may be empty).
 
     Returns:
         ``{"input_ids": [...], "demo_spans": [(start, end), ...], "query_spans": [...], "answer_spans": [...]
@@ -181,9 +184,13 @@ def assemble_prompt(
         input_ids.extend(int(token) for token in piece)
         return start, len(input_ids)
 
-    demo_spans = [append(piece, f"demonstration {i}") for i, piece in enumerate(demo_ids)]
-    query_spans, answer_spans = [], []
+    demo_spans, query_spans, answer_spans = [], [], []
+    for i, piece in enumerate(demo_ids):
+        demo_spans.append(append(piece, f"demonstration {i}"))
+        input_ids.extend(int(token) for token in separator)
     for i, piece in enumerate(query_ids):
+        if i:
+            input_ids.extend(int(token) for token in separator)
         query_spans.append(append(piece, f"query {i}"))
         if query_answer_ids is not None:
             answer_spans.append(append(query_answer_ids[i], f"answer of query {i}"))

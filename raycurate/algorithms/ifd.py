@@ -6,7 +6,8 @@ response; higher = harder to follow, and IFD selection keeps the highest scores.
 IFD >= 1 as a misaligned pair (the instruction makes the response *less* likely); :func:`ifd_scores` reports it and
 leaves the policy to the caller.  Both losses are mean cross-entropies over the same response tokens (e.g.
 :func:`raycurate.algorithms.losses.example_losses` with the response as loss mask, once after the prompt and once
-after BOS only).
+after the sequence's BOS and the chat template's assistant header only, see
+:func:`raycurate.data.chat_layout.response_alone`).
 """
 
 from __future__ import annotations

@@ -4,12 +4,20 @@ Layout of one row: ``input_ids = prompt side + response side``.
 
 * Without a chat template (``tokenizer.chat_template`` unset): prompt side = ``[BOS] + tokens(prompt + "\\n")``,
   response side = ``tokens(response) + [EOS]``.  The separator is one newline, tokenized with the prompt.
-* With a chat template: prompt side = ``[BOS]`` (only when the render does not already start with it) +
+* With a chat template: prompt side = the sequence lead (:func:`raycurate.data.chat_layout.sequence_lead`: the
+  BOS when it belongs to the sequence, only when the render does not already start with it; nothing when the BOS
+  opens chat turns, as ChatML's ``<|im_start|>``, or there is none) +
   ``tokens(render(conversation, add_generation_prompt=True))``; response side = ``tokens(response)`` +
   ``tokens(end-of-turn marker)`` + ``[EOS]`` (skipped when the marker already ends with EOS).  The conversation
   is ``messages`` without its final assistant turn when the record has ``messages``, else one user turn with the
   prompt.  The end-of-turn marker is what the template renders after the assistant text (e.g. ``<|im_end|>``),
   trailing whitespace stripped; it is empty when the template renders the assistant text altered (e.g. trimmed).
+* ``system_prompt`` (config ``tokenize.system_prompt``) applies to conversations without a system turn of their
+  own (a record's own system turn always wins): ``"default"`` renders them as given, so a template that injects a
+  default system turn (SmolLM2: "You are a helpful AI assistant named SmolLM...") does; ``"none"`` renders no
+  system turn at all (the conversation is rendered after a placeholder system turn, and that turn's render is cut
+  off the front); any other string is rendered as the system turn.  Templates without a default system turn
+  render the same tokens for ``"default"`` and ``"none"``.
 
 Prompt and response are tokenized separately and concatenated, so ``prompt_len`` is exact; ``loss_mask`` is 1
 on every response-side position (EOS and markers included).  ``prompt_offsets`` / ``response_offsets`` hold
@@ -28,9 +36,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from raycurate.data.chat_layout import sequence_lead
 from raycurate.data.schema import OVER_LENGTH, DataValidationError
 
 PLAIN_SEPARATOR = "\n"
+SYSTEM_DEFAULT, SYSTEM_NONE = "default", "none"
+_SYSTEM_PLACEHOLDER = "raycurate-system-placeholder-7f3a"
 TOKEN_COLUMNS = ("id", "input_ids", "prompt_len", "loss_mask", "weight", "prompt_offsets", "response_offsets")
 
 
@@ -60,10 +71,42 @@ def _locate_turns(rendered: str, prompt: str, turns: list[dict[str, str]]) -> li
     return segments
 
 
-def _end_marker(tokenizer: Any, turns: list[dict[str, str]], rendered: str, response: str) -> str:
-    full = tokenizer.apply_chat_template(
-        turns + [{"role": "assistant", "content": response}], tokenize=False, add_generation_prompt=False
-    )
+def render_conversation(tokenizer: Any, turns: list[dict[str, str]], *, generation: bool,
+                        system_prompt: str = SYSTEM_DEFAULT) -> str:
+    """The chat template's render of ``turns`` with ``system_prompt`` applied (module docstring).
+
+    Args:
+        tokenizer: A tokenizer with ``chat_template``.
+        turns: ``[{"role", "content"}, ...]``; a leading system turn is always kept as it is.
+        generation: Append the assistant header (``add_generation_prompt``).
+        system_prompt: ``"default"``, ``"none"`` or the system prompt text.
+
+    Returns:
+        The rendered text.
+    """
+    def render(messages: list[dict[str, str]], gen: bool) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+    if system_prompt == SYSTEM_DEFAULT or (turns and turns[0]["role"] == "system"):
+        return render(turns, generation)
+    if system_prompt != SYSTEM_NONE:
+        return render([{"role": "system", "content": system_prompt}] + turns, generation)
+    placeholder = [{"role": "system", "content": _SYSTEM_PLACEHOLDER}]
+    try:
+        head, full = render(placeholder, False), render(placeholder + turns, generation)
+    except Exception as exc:  # noqa: BLE001 - jinja raises its own errors (e.g. "system role not supported")
+        raise ValueError(f"tokenize.system_prompt=none needs a chat template that renders a system turn, and this "
+                         f"one failed on it ({exc}); use tokenize.system_prompt=default") from exc
+    if not full.startswith(head) or _SYSTEM_PLACEHOLDER not in head:
+        raise ValueError("tokenize.system_prompt=none: the chat template does not render a system turn in front of "
+                         "the conversation, so it cannot be left out; use tokenize.system_prompt=default")
+    return full[len(head):]
+
+
+def _end_marker(tokenizer: Any, turns: list[dict[str, str]], rendered: str, response: str,
+                system_prompt: str) -> str:
+    full = render_conversation(tokenizer, turns + [{"role": "assistant", "content": response}], generation=False,
+                               system_prompt=system_prompt)
     if not full.startswith(rendered):
         return ""
     suffix = full[len(rendered) :]
@@ -71,14 +114,14 @@ def _end_marker(tokenizer: Any, turns: list[dict[str, str]], rendered: str, resp
     return suffix[at + len(response) :].rstrip() if at >= 0 else ""
 
 
-def _plan_prompt(tokenizer: Any, record: dict[str, Any]) -> _PromptPlan:
+def _plan_prompt(tokenizer: Any, record: dict[str, Any], system_prompt: str) -> _PromptPlan:
     prompt = record["prompt"]
     if not getattr(tokenizer, "chat_template", None):
         return _PromptPlan(prompt + PLAIN_SEPARATOR, [(0, len(prompt), 0)], "")
     turns = _conversation(record)
-    rendered = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    rendered = render_conversation(tokenizer, turns, generation=True, system_prompt=system_prompt)
     segments = _locate_turns(rendered, prompt, turns)
-    return _PromptPlan(rendered, segments, _end_marker(tokenizer, turns, rendered, record["response"]))
+    return _PromptPlan(rendered, segments, _end_marker(tokenizer, turns, rendered, record["response"], system_prompt))
 
 
 def _map_offsets(offsets: list[tuple[int, int]], segments: list[tuple[int, int, int]]) -> list[int]:
@@ -95,12 +138,12 @@ def _map_offsets(offsets: list[tuple[int, int]], segments: list[tuple[int, int, 
     return flat
 
 
-def _special_ids(tokenizer: Any) -> tuple[int | None, int]:
+def _special_ids(tokenizer: Any) -> tuple[list[int], int]:
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("tokenization needs a fast tokenizer (character offsets); load it with use_fast=True")
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token; set tokenizer.eos_token before tokenizing")
-    return tokenizer.bos_token_id, tokenizer.eos_token_id
+    return sequence_lead(tokenizer), tokenizer.eos_token_id
 
 
 def _encode(tokenizer: Any, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
@@ -134,7 +177,8 @@ def _rejection(record: dict[str, Any], n_prompt: int, n_response: int, max_lengt
 
 
 def tokenize_batch(
-    tokenizer: Any, rows: list[dict[str, Any]], max_length: int, *, strict: bool = False
+    tokenizer: Any, rows: list[dict[str, Any]], max_length: int, *, strict: bool = False,
+    system_prompt: str = SYSTEM_DEFAULT,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Tokenize validated records into token-level rows (one batched tokenizer call per side).
 
@@ -143,22 +187,23 @@ def tokenize_batch(
         rows: Accepted records (``id``, ``prompt``, ``response``, optional ``messages``, pass-through fields).
         max_length: Longest allowed ``len(input_ids)``; longer rows are rejected, not truncated.
         strict: Raise :class:`DataValidationError` on the first over-length row instead of rejecting it.
+        system_prompt: ``"default"`` (the template's own), ``"none"`` or a system prompt (module docstring).
 
     Returns:
         ``(token_rows, rejected_rows)`` in input order.  A token row has ``id``, ``input_ids`` (L,),
         ``prompt_len``, ``loss_mask`` (L,), ``weight``, ``prompt_offsets`` (2 * prompt_len,),
         ``response_offsets`` (2 * (L - prompt_len),) and the pass-through fields.
     """
-    bos_id, eos_id = _special_ids(tokenizer)
-    plans = [_plan_prompt(tokenizer, r) for r in rows]
+    lead, eos_id = _special_ids(tokenizer)
+    plans = [_plan_prompt(tokenizer, r, system_prompt) for r in rows]
     prompt_ids, prompt_offs = _encode(tokenizer, [p.text for p in plans])
     response_ids, response_offs = _encode(tokenizer, [r["response"] for r in rows])
     marker_cache: dict[str, list[int]] = {"": []}
     token_rows, rejected = [], []
     for i, (record, plan) in enumerate(zip(rows, plans)):
         p_ids, p_offs = list(prompt_ids[i]), _map_offsets(prompt_offs[i], plan.segments)
-        if bos_id is not None and (not p_ids or p_ids[0] != bos_id):
-            p_ids, p_offs = [bos_id] + p_ids, [-1, -1] + p_offs
+        if lead and p_ids[: len(lead)] != lead:
+            p_ids, p_offs = lead + p_ids, [-1, -1] * len(lead) + p_offs
         if plan.marker not in marker_cache:
             marker_cache[plan.marker] = list(_encode(tokenizer, [plan.marker])[0][0])
         r_ids = list(response_ids[i]) + marker_cache[plan.marker]
@@ -187,15 +232,16 @@ def tokenize_batch(
     return token_rows, rejected
 
 
-def tokenize_record(tokenizer: Any, record: dict[str, Any], max_length: int) -> dict[str, Any]:
-    """Tokenize one validated record; see :func:`tokenize_batch` for the layout.
+def tokenize_record(tokenizer: Any, record: dict[str, Any], max_length: int, *,
+                    system_prompt: str = SYSTEM_DEFAULT) -> dict[str, Any]:
+    """Tokenize one validated record; see :func:`tokenize_batch` for the layout and ``system_prompt``.
 
     Returns:
         The token-level row, or, when the sequence is longer than ``max_length``, the rejection
         ``{id, source, line, reason: "over_length", field, detail}`` (no ``input_ids``; test with
         :func:`is_rejection`).
     """
-    rows, rejected = tokenize_batch(tokenizer, [record], max_length)
+    rows, rejected = tokenize_batch(tokenizer, [record], max_length, system_prompt=system_prompt)
     return rows[0] if rows else rejected[0]
 
 

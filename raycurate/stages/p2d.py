@@ -199,6 +199,31 @@ def _counted(prompt: Any) -> list[bool]:
     return counted if counted else [True] * len(prompt.demos)
 
 
+def probe_prompt(layout: Any, instruction: list[int], demo_rows: list[dict], query_rows: list[dict]) -> tuple[
+        dict, list[tuple[list[int], list[int]]]]:
+    """One ICL probe prompt from token rows: the instruction segment, the demonstrations, the queries with their
+    teacher-forced gold answers, rows joined by the template's row separator.
+
+    Args:
+        layout: The tokenizer's :class:`raycurate.data.chat_layout.ChatLayout`.
+        instruction: Opening segment, :func:`raycurate.data.chat_layout.instruction_ids` (lead included).
+        demo_rows: Token rows (``input_ids``, ``prompt_len``) shown as demonstrations, prompt and response.
+        query_rows: Token rows whose prompt is a query and whose response is its gold answer.
+
+    Returns:
+        ``(assembled, queries)``: :func:`raycurate.algorithms.icl_probe.assemble_prompt`'s dict, and per query its
+        ``(prompt ids, answer ids)`` without the sequence lead.
+    """
+    from raycurate.algorithms.icl_probe import assemble_prompt
+    from raycurate.data.chat_layout import split_row
+
+    demos = [sum(split_row(r, layout), []) for r in demo_rows]
+    queries = [split_row(r, layout) for r in query_rows]
+    assembled = assemble_prompt(instruction, demos, [q for q, _ in queries], [a for _, a in queries],
+                                separator=layout.separator)
+    return assembled, queries
+
+
 class IclProbeUDF:
     """Ray Data actor: for each ICL prompt, the query score s^(k) and the selected heads' attention weights w^(k)."""
 
@@ -222,20 +247,14 @@ class IclProbeUDF:
             self.selected[layer, head] = True
         self.layers = sorted({layer for layer, _ in heads})
         enable_attention_outputs(self.model, self.layers)
+        from raycurate.data.chat_layout import chat_layout, instruction_ids
+
         rows = read_token_rows(Path(tokens_dir), ["id", "input_ids", "prompt_len", "response"])
         self.rows = {r["id"]: r for r in rows}
-        bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
-        self.instruction = bos + self.tokenizer.encode(instruction + "\n\n", add_special_tokens=False)
-        self.bos = bos
+        self.layout = chat_layout(self.tokenizer)
+        self.instruction = instruction_ids(self.tokenizer, self.layout, instruction)
         self.query_score, self.max_prompt_tokens, self.max_new_tokens = query_score, max_prompt_tokens, max_new_tokens
         self.stage = stage
-
-    def _body(self, example_id: str) -> tuple[list[int], list[int]]:
-        """(prompt part, response part) of an example's token row, without its BOS."""
-        row = self.rows[example_id]
-        ids, p = list(row["input_ids"]), int(row["prompt_len"])
-        start = len(self.bos) if self.bos and ids[:1] == self.bos else 0
-        return ids[start:p], ids[p:]
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa
@@ -252,11 +271,10 @@ class IclProbeUDF:
         """One ICL prompt: assemble, one forward with attention on the selected layers, score the queries."""
         import torch
 
-        from raycurate.algorithms.icl_probe import assemble_prompt, demo_attention_weights
+        from raycurate.algorithms.icl_probe import demo_attention_weights
 
-        demos = [sum(self._body(i), []) for i in prompt["demos"]]
-        queries = [self._body(i) for i in prompt["queries"]]
-        assembled = assemble_prompt(self.instruction, demos, [q for q, _ in queries], [a for _, a in queries])
+        assembled, queries = probe_prompt(self.layout, self.instruction, [self.rows[i] for i in prompt["demos"]],
+                                          [self.rows[i] for i in prompt["queries"]])
         ids = assembled["input_ids"]
         if len(ids) > self.max_prompt_tokens:
             raise ValueError(f"ICL prompt {prompt['prompt_id']} has {len(ids)} tokens > p2d.max_prompt_tokens="
@@ -436,7 +454,12 @@ def selected_ids(run: RunDir, select_stage_name: str) -> list[str]:
 
 
 class IfdUDF:
-    """Ray Data actor: IFD = loss(response | instruction) / loss(response alone) under the base model."""
+    """Ray Data actor: IFD = loss(response | instruction) / loss(response alone) under the base model.
+
+    "Response alone" is the sequence lead (a separate BOS), the assistant header of the chat template (none without
+    one) and the response: the same response tokens as the conditional row, in an assistant turn with no
+    instruction (:func:`raycurate.data.chat_layout.response_alone`).
+    """
 
     REQUIRED_COLUMNS = ("input_ids", "prompt_len")
 
@@ -447,9 +470,11 @@ class IfdUDF:
 
         torch.set_num_threads(max(1, threads))
         self.model = load_model(model_dir, dtype="float32", device=best_device()).eval()
+        from raycurate.data.chat_layout import chat_layout
+
         tokenizer = load_tokenizer(model_dir)
         self.pad_id = tokenizer.pad_token_id or 0
-        self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.layout = chat_layout(tokenizer)
         self.stage = stage
 
     def __call__(self, batch: Any) -> Any:
@@ -459,13 +484,15 @@ class IfdUDF:
         from raycurate.algorithms.bridge import pad_rows
         from raycurate.algorithms.ifd import ifd_scores
         from raycurate.algorithms.losses import model_example_losses
+        from raycurate.data.chat_layout import response_alone
 
         require_columns(self.stage, batch, self.REQUIRED_COLUMNS)
         rows = batch.select(["input_ids", "prompt_len"]).to_pylist()
         cond = [{"input_ids": r["input_ids"], "loss_mask": [0] * r["prompt_len"] +
                  [1] * (len(r["input_ids"]) - r["prompt_len"])} for r in rows]
-        alone = [{"input_ids": self.bos + r["input_ids"][r["prompt_len"]:],
-                  "loss_mask": [0] * len(self.bos) + [1] * (len(r["input_ids"]) - r["prompt_len"])} for r in rows]
+        # the response alone: sequence lead + assistant header + response (the same response tokens are scored)
+        alone = [dict(zip(("input_ids", "loss_mask"), response_alone(self.layout, r["input_ids"][r["prompt_len"]:])))
+                 for r in rows]
         losses = []
         with torch.no_grad():
             device = next(self.model.parameters()).device
