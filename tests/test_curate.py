@@ -212,7 +212,11 @@ def test_seed_summary_pools_composition_minus_arms(tmp_path):
         per_seed[seed] = (label, scores)
     summary = summarize_seeds(per_seed)
     assert set(summary["comparisons"]) == {"composition vs bds (matched tokens)",
-                                           "composition vs random (matched tokens)"}
+                                           "composition vs random (matched tokens)",
+                                           "BDS alone vs random rows (matched tokens)"}
+    # BDS alone (0.25) minus random rows (0) on both seeds
+    assert summary["comparisons"]["BDS alone vs random rows (matched tokens)"]["pooled"]["value"] == pytest.approx(
+        0.25)
     bds = summary["comparisons"]["composition vs bds (matched tokens)"]
     assert bds["per_seed"]["0"]["value"] == pytest.approx(0.25) and bds["per_seed"]["1"]["value"] == 0.0
     assert bds["pooled"]["value"] == pytest.approx(0.125) and bds["seeds_excluding_zero"] == 1

@@ -15,8 +15,9 @@ import pytest
 from raycurate.algorithms.composition import keep_count, ranked_ids
 from raycurate.cli.main import main
 
-# Six single-worker trainings (BRIDGE warmup, BDS, four SFTs) in one reused Ray task each (train.launcher=task: no
-# Ray Train start-up per stage) and four evaluations on the committed 2-layer model.
+# Eight single-worker trainings (BRIDGE warmup, BDS, four arm SFTs, the mixed and clean references) in one reused Ray
+# task each (train.launcher=task: no Ray Train start-up per stage) and seven evaluations (the arms, base, mixed,
+# clean) on the committed 2-layer model.
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1200)]
 
 
@@ -43,6 +44,11 @@ def test_curate_bds_then_bridge_matches_token_budgets_and_records_paired_cis(tmp
     models = ("curate", "curate_bds", "curate_bridge", "curate_random")
     assert {f"train_{m}" for m in models} | {f"eval_{m}" for m in models} | {
         "curate_bds", "bridge_score", "bridge_select", "curate_bridge_select", "curate_rows"} <= set(stages)
+    # the references: base evaluated, mixed = SFT on the whole pool, clean = SFT on its clean rows
+    assert {"eval_base", "train_mixed", "eval_mixed", "train_clean", "eval_clean"} <= set(stages)
+    pool_labels = [r["label"]["clean"] for r in _rows(run_dir / "curate_pool_rows/tokens", ["label"])]
+    clean_rows = stages["curate_clean_rows"]["metrics"]
+    assert (clean_rows["rows_in"], clean_rows["rows_kept"]) == (len(pool_labels), sum(pool_labels))
 
     block = manifest["results"]["composition"]
     pool = sorted(r["id"] for r in _rows(run_dir / "curate_pool_rows/tokens", ["id"]))
@@ -85,4 +91,11 @@ def test_curate_bds_then_bridge_matches_token_budgets_and_records_paired_cis(tmp
         ci = arms[arm]["vs_composition"]
         assert ci["value"] == pytest.approx(float(np.mean(scores("curate") - scores(model))))
         assert ci["low"] <= ci["value"] <= ci["high"] and ci["n"] == 8
-    assert "<h2 id='composition'>Composition</h2>" in (run_dir / "report.html").read_text()
+    by_metric = block["by_metric"]
+    assert list(by_metric) == ["correct", "sampled_accuracy"]
+    for metric in by_metric.values():
+        assert {"base", "mixed", "clean", "curate", "curate_bds", "curate_random"} <= set(metric["models"])
+        assert metric["oracle"] is not None and "bds vs random" in metric["pairs"]
+    report = (run_dir / "report.html").read_text()
+    assert "<h2 id='composition'>Composition</h2>" in report and "Oracle gap in greedy exact match" in report
+    assert "<h3>Absolute scores</h3>" in report and str(tmp_path) not in report

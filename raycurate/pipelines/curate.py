@@ -23,6 +23,9 @@ Design (docs/design.md, "Composable curation"):
 * **Training.** Every arm is one full SFT from ``base_model`` with ``train`` (``train_curate``,
   ``train_curate_<arm>``) and one held-out evaluation; ``results.composition`` records per arm the rows, response
   tokens, clean share, score and the paired bootstrap CI of composition minus arm; report.html has the table.
+* **References.** With ``curate.compare`` on the embedded corpus the run also evaluates the base model and trains
+  ``mixed`` (SFT on the whole pool) and ``clean`` (SFT on the pool's clean rows), so its report says whether any
+  arm beats the base model and shows the oracle gap (clean minus mixed) and the share of it each arm closes.
 """
 
 from __future__ import annotations
@@ -140,6 +143,30 @@ def matched_bridge(run: Any, cfg: Any, pool: list[str], budget: int) -> tuple[st
     return "curate_bridge_rows", {**record["metrics"], "rho_r": rho_r}
 
 
+def reference_models(run: Any, cfg: Any) -> dict[str, dict]:
+    """Evaluate the base model and train + evaluate ``mixed`` (the whole pool) and ``clean`` (its clean rows).
+
+    Returns:
+        ``{model: held-out metrics}`` for base, mixed and clean.
+    """
+    from raycurate.config.curate import POOL_SPLIT
+    from raycurate.pipelines.demo import clean_rows
+    from raycurate.stages.data_stages import filter_tokens_stage
+    from raycurate.stages.model_stages import evaluate_stage, train_stage
+
+    filter_tokens_stage(run, "curate_clean_rows", tokens_stage="curate_pool_rows",
+                        description=f"split == {POOL_SPLIT} and label.clean == true", keep=clean_rows,
+                        config={"split": POOL_SPLIT, "filter": "label.clean"})
+    heldout = {}
+    for model, tokens in (("base", None), ("mixed", "curate_pool_rows"), ("clean", "curate_clean_rows")):
+        if tokens:
+            train_stage(run, f"train_{model}", tokens_stage=tokens, init_stage="base_model", train_cfg=cfg.train)
+        heldout[model] = evaluate_stage(run, f"eval_{model}", model_stage=f"train_{model}" if tokens else "base_model",
+                                        heldout_stage="corpus", eval_cfg=cfg.eval,
+                                        max_length=cfg.data.max_length)["metrics"]
+    return heldout
+
+
 def run_curate(cfg: Any) -> dict:
     """``pipeline: curate``: the steps, one SFT on the composed table, the matched-budget arms; returns the
     final manifest (``results.composition``)."""
@@ -190,6 +217,8 @@ def run_curate(cfg: Any) -> dict:
         described[arm] = {"model": model, "rows": m["rows"], "response_tokens": m["response_tokens"],
                           "token_ratio": m["response_tokens"] / max(budget, 1), "prompt_tokens": m["prompt_tokens"],
                           "clean_share": m.get("clean_share"), **({"rho_r": m["rho_r"]} if "rho_r" in m else {})}
+    if evaluate and curate.compare:
+        heldout.update(reference_models(run, cfg))
     if heldout:
         record_heldout(run, heldout)
     scored = score_arms(run.root, run.load_manifest(), described)

@@ -4,8 +4,11 @@ every comparison pooled over them.
 Each seed runs that pipeline in ``<runs_dir>/<name>/seed-<seed>/`` (so each is an ordinary, resumable run with its
 own report); the base model is shared through its cache.  The summary (``proving_ground.json`` and
 ``report.html`` in ``<runs_dir>/<name>/``) has, per comparison, each seed's paired difference with its CI and the
-difference pooled over seeds (questions resampled within each seed): the demo's methods against their baselines,
-and for ``pipeline: curate`` the composition against each arm at the matched token budget.
+difference pooled over seeds (questions resampled within each seed): every fine-tuned model against the base model,
+the demo's methods against their baselines, and for ``pipeline: curate`` the composition against each arm and BDS
+alone against random rows at the matched token budget.  The top-level comparisons use the primary metric (sampled
+exact match when the runs sampled answers); ``by_metric`` holds the same summary for greedy and for sampled exact
+match, and the page states for each whether any fine-tuned arm beats the base model.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def _comparisons(scores: dict[str, Any]) -> dict[str, tuple[str, str]]:
     from raycurate.report.curation import METHODS
 
     pairs = {"oracle: clean vs mixed": ("clean", "mixed")}
+    pairs.update({f"{model} vs base": (model, "base") for model in scores if model != "base"})
     for spec in METHODS:
         pairs[f"{spec.model} vs mixed"] = (spec.model, "mixed")
         if spec.baseline:
@@ -41,6 +45,7 @@ def _comparisons(scores: dict[str, Any]) -> dict[str, tuple[str, str]]:
         if model.startswith(f"{COMPOSITION_MODEL}_"):
             arm = model.removeprefix(f"{COMPOSITION_MODEL}_")
             pairs[f"composition vs {arm} (matched tokens)"] = (COMPOSITION_MODEL, model)
+    pairs["BDS alone vs random rows (matched tokens)"] = (f"{COMPOSITION_MODEL}_bds", f"{COMPOSITION_MODEL}_random")
     return {name: pair for name, pair in pairs.items() if pair[0] in scores and pair[1] in scores}
 
 
@@ -71,7 +76,36 @@ def summarize_seeds(per_seed: dict[int, tuple[str, dict[str, Any]]]) -> dict:
     return {"metric": metric, "seeds": sorted(per_seed), "comparisons": comparisons}
 
 
-def _render(summary: dict) -> str:
+def seeds_text(seeds: list[int]) -> str:
+    """``"seeds 0, 1, 2 (3 seeds)"`` / ``"1 seed (seed 0)"``: which corpus seeds, and how many."""
+    if len(seeds) == 1:
+        return f"1 seed (seed {seeds[0]})"
+    return f"seeds {', '.join(str(s) for s in seeds)} ({len(seeds)} seeds)"
+
+
+def _base_verdict(summary: dict) -> str:
+    """One plain sentence: which fine-tuned models beat the base model pooled over the seeds (HTML)."""
+    from raycurate.report.charts import esc
+
+    def fmt(e: dict) -> str:
+        return f"{e['value']:+.3f} [{e['low']:+.3f}, {e['high']:+.3f}]"
+
+    metric = esc(summary["metric"])
+    versus = {name.removesuffix(" vs base"): c["pooled"] for name, c in summary["comparisons"].items()
+              if name.endswith(" vs base")}
+    if not versus:
+        return f"<p>{metric}: the base model was not evaluated, so whether fine-tuning beat it is unknown.</p>"
+    winners = [m for m, e in versus.items() if e["low"] > 0]
+    if not winners:
+        best = max(versus, key=lambda m: versus[m]["value"])
+        return (f"<p><b>No fine-tuned arm beats the base model in {metric}</b> (pooled): the best, {esc(best)}, "
+                f"minus base {fmt(versus[best])}.</p>")
+    return (f"<p><b>{len(winners)} of {len(versus)} fine-tuned arms beat the base model in {metric}</b> (pooled), "
+            "minus base: " + "; ".join(f"{esc(m)} {fmt(versus[m])}" for m in winners) + ".</p>")
+
+
+def _metric_table(summary: dict) -> str:
+    """The verdict against the base model and the per-seed / pooled table of one metric's summary."""
     from raycurate.report.charts import esc, table
 
     def fmt(e: dict) -> str:
@@ -79,12 +113,28 @@ def _render(summary: dict) -> str:
 
     seeds = summary["seeds"]
     rows = [[name, *(fmt(c["per_seed"][str(s)]) if str(s) in c["per_seed"] else "" for s in seeds),
-             fmt(c["pooled"]), f"{c['seeds_excluding_zero']}/{len(c['per_seed'])}"]
+             fmt(c["pooled"]), f"{c['seeds_excluding_zero']} of {len(c['per_seed'])}"]
             for name, c in summary["comparisons"].items()]
-    body = (f"<h1>raycurate proving ground</h1><p>Held-out {esc(summary['metric'])}: paired differences with 95% "
-            f"bootstrap intervals per corpus seed, and pooled over the {len(seeds)} seeds (questions resampled "
-            "within each seed). The last column counts the seeds whose interval excludes 0.</p>"
-            + table(["comparison", *(f"seed {s}" for s in seeds), "pooled", "seeds != 0"], rows))
+    oracle = summary["comparisons"].get("oracle: clean vs mixed")
+    note = ""
+    if oracle and not oracle["pooled"]["low"] > 0:
+        note = ("<p><b>No oracle gap</b> (pooled clean minus mixed includes 0 or lies below it): a share of the gap "
+                "closed is not meaningful here.</p>")
+    return (f"<h2>{esc(summary['metric'])}</h2>" + _base_verdict(summary) + note
+            + f"<p>Paired differences (A minus B) with 95% bootstrap intervals per corpus seed, and pooled over "
+            f"{seeds_text(seeds)}, questions resampled within each seed. The last column counts the seeds whose own "
+            "interval excludes 0.</p>"
+            + table(["comparison (A vs B)", *(f"seed {s}" for s in seeds), "pooled",
+                     "seeds whose interval excludes 0"], rows))
+
+
+def _render(summary: dict) -> str:
+    from raycurate.report.charts import esc, table
+
+    blocks = list((summary.get("by_metric") or {}).values()) or [summary]
+    body = ("<h1>raycurate proving ground</h1><p>Held-out "
+            + " and ".join(esc(b["metric"]) for b in blocks)
+            + f" over {seeds_text(summary['seeds'])}.</p>" + "".join(_metric_table(b) for b in blocks))
     budgets = summary.get("composition_budgets") or {}
     if budgets:
         arms = list(next(iter(budgets.values()))["arms"])
@@ -102,7 +152,7 @@ def run_proving_ground(cfg: Any) -> dict:
     """Run ``proving_ground.pipeline`` for every seed of ``proving_ground.seeds`` and write the pooled summary
     (every evaluated model's per-question scores feed the comparisons); returns it."""
     from raycurate.pipelines import run_pipeline
-    from raycurate.report.curation import aligned_scores, evaluated_models
+    from raycurate.report.curation import aligned_scores, evaluated_models, scores_by_metric
     from raycurate.rundir import atomic_write_text
     from raycurate.storage import is_uri
 
@@ -110,15 +160,18 @@ def run_proving_ground(cfg: Any) -> dict:
         raise ValueError("pipeline proving_ground writes its summary locally; give run.runs_dir a local folder")
     if not cfg.proving_ground.seeds:
         raise ValueError("proving_ground.seeds is empty; list the corpus seeds to run, e.g. [0, 1, 2]")
-    per_seed, budgets = {}, {}
+    per_seed, by_metric, budgets = {}, {}, {}
     for seed in cfg.proving_ground.seeds:
         child = seed_config(cfg, seed)
         log.info("proving ground: corpus seed %d, pipeline %s -> %s/%s", seed, child.pipeline, child.run.runs_dir,
                  child.run.name)
         manifest = run_pipeline(child)
-        loaded = aligned_scores(Path(child.run.runs_dir) / child.run.name, manifest, evaluated_models(manifest))
+        run_dir = Path(child.run.runs_dir) / child.run.name
+        loaded = aligned_scores(run_dir, manifest, evaluated_models(manifest))
         if loaded is not None:
             per_seed[seed] = (loaded[1], loaded[2])
+        for key, pair in scores_by_metric(run_dir, manifest, evaluated_models(manifest)).items():
+            by_metric.setdefault(key, {})[seed] = pair
         composition = (manifest.get("results") or {}).get("composition")
         if composition:  # what each arm trained on, so the pooled table can be read against the budgets
             budgets[str(seed)] = {"budget_tokens": composition["budget_tokens"],
@@ -126,6 +179,7 @@ def run_proving_ground(cfg: Any) -> dict:
                                            for arm, a in composition["arms"].items()}}
     summary = summarize_seeds(per_seed)
     summary["pipeline"] = cfg.proving_ground.pipeline
+    summary["by_metric"] = {key: summarize_seeds(seeds) for key, seeds in by_metric.items()}
     if budgets:
         summary["composition_budgets"] = budgets
     root = Path(cfg.run.runs_dir) / cfg.run.name

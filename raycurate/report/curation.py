@@ -3,7 +3,10 @@
 The held-out predictions of every evaluated model (``eval_<model>/predictions.parquet``) are joined on the question
 id, so every difference is paired: :func:`raycurate.algorithms.stats.paired_bootstrap_ci` resamples questions
 and keeps both models' scores on each.  The per-question score is the share of sampled answers that are right
-(``sampled_accuracy``) when the run sampled answers, else greedy exact match (``correct``).
+(``sampled_accuracy``) when the run sampled answers, else greedy exact match (``correct``); the verdicts at the top
+(does any fine-tuned model beat the base model, is there an oracle gap to close) are stated for greedy and sampled
+exact match separately (:func:`metric_block`), and a share of the oracle gap closed is only given when the oracle
+interval lies above 0.
 
 The same numbers are stored in the manifest (``results.curation``) by :func:`record_curation`, so ``raycurate
 inspect``, the seed loop of ``jobs/proving_ground.yaml`` and the closing notes read them without re-computing.
@@ -157,14 +160,137 @@ def aligned_scores(run_dir: str | Path, manifest: dict,
     return metric, label, {name: _scores(rows, ids, metric) for name, rows in predictions.items()}
 
 
+#: The metrics the verdicts state separately, in the order they are stated (greedy first).
+VERDICT_METRICS: tuple[str, ...] = ("correct", "sampled_accuracy")
+BASE = "base"
+
+
+def scores_by_metric(run_dir: str | Path, manifest: dict,
+                     names: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Per-question scores of the evaluated ``names`` for every metric they all carry, on their common questions.
+
+    Returns:
+        ``{metric key: (metric label, {model: (Q,) float array})}`` in :data:`VERDICT_METRICS` order (greedy exact
+        match, then sampled exact match when the run sampled answers); ``{}`` when none was evaluated.
+    """
+    run_dir = Path(run_dir)
+    predictions = {n: p for n in dict.fromkeys(names) if (p := _predictions(run_dir, manifest, n)) is not None}
+    if not predictions:
+        return {}
+    ids = sorted(set.intersection(*(set(rows) for rows in predictions.values())))
+    labels = dict(METRICS)
+    return {key: (labels[key], {name: _scores(rows, ids, key) for name, rows in predictions.items()})
+            for key in VERDICT_METRICS
+            if all(key in next(iter(rows.values()), {}) for rows in predictions.values())}
+
+
+def oracle_is_gap(oracle: dict | None) -> bool:
+    """Whether the oracle difference (clean minus mixed) is a gap at all: its interval lies above 0."""
+    return bool(oracle) and oracle["low"] > 0
+
+
+def metric_block(label: str, scores: dict[str, Any], *, pairs: dict[str, tuple[str, str]] | None = None,
+                 replicates: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Absolute scores and the base / oracle comparisons of one metric.
+
+    Args:
+        label: The metric's name in the report.
+        scores: ``{model: (Q,) per-question scores}`` aligned on the same questions.
+        pairs: Further paired differences to estimate, ``{name: (treatment model, control model)}`` (skipped when a
+            model is missing).
+
+    Returns:
+        ``label``, ``questions``, ``models`` (mean with CI), ``vs_base`` (each other model minus ``base``, paired;
+        empty without a base model), ``beats_base`` (the models whose interval of that difference lies above 0),
+        ``oracle`` (clean minus mixed, or None), ``gap_closed`` (``{model: share}``, only when the oracle interval
+        lies above 0: else there is no gap to close) and ``pairs``.
+    """
+    def paired(a: str, b: str) -> dict:
+        return paired_bootstrap_ci(scores[a], scores[b], replicates=replicates, seed=seed).as_dict()
+
+    vs_base = {m: paired(m, BASE) for m in scores if m != BASE} if BASE in scores else {}
+    oracle = paired("clean", "mixed") if "clean" in scores and "mixed" in scores else None
+    means = {m: float(s.mean()) for m, s in scores.items()}
+    closed = ({m: gap_closed(means[m], means["mixed"], means["clean"]) for m in scores
+               if m not in (BASE, "mixed", "clean")} if oracle_is_gap(oracle) else {})
+    return {"label": label, "questions": len(next(iter(scores.values()))),
+            "models": {m: bootstrap_mean_ci(s, replicates=replicates, seed=seed).as_dict() for m, s in scores.items()},
+            "vs_base": vs_base, "beats_base": [m for m, e in vs_base.items() if e["low"] > 0], "oracle": oracle,
+            "gap_closed": closed,
+            "pairs": {name: paired(a, b) for name, (a, b) in (pairs or {}).items() if a in scores and b in scores}}
+
+
+def base_sentence(block: dict, names: dict[str, str] | None = None) -> str:
+    """One plain sentence (HTML): which fine-tuned models beat the base model in this metric, with paired CIs.
+
+    Args:
+        block: A :func:`metric_block`.
+        names: Display name per model (default: the model name).
+    """
+    names = names or {}
+    label, models, vs_base = esc(block["label"]), block["models"], block["vs_base"]
+    if BASE not in models:
+        return f"<p>{label}: the base model was not evaluated, so whether fine-tuning beat it is unknown.</p>"
+    if not vs_base:
+        return f"<p>{label}: only the base model was evaluated ({format_ci(models[BASE])}).</p>"
+
+    def named(m: str) -> str:
+        return esc(names.get(m, m))
+
+    base = f"base model {format_ci(models[BASE])}"
+    winners = block["beats_base"]
+    if not winners:
+        best = max(vs_base, key=lambda m: vs_base[m]["value"])
+        return (f"<p class='verdict'><b class='bad'>No fine-tuned arm beats the base model in {label}</b>: "
+                f"{base}; the best fine-tuned arm, {named(best)}, scores {format_ci(models[best])} "
+                f"({named(best)} minus base {format_ci(vs_base[best], True)}). Every gain below is relative to "
+                "models that are no better than not fine-tuning at all.</p>")
+    listed = "; ".join(f"{named(m)} {format_ci(vs_base[m], True)}" for m in winners)
+    others = [m for m in vs_base if m not in winners]
+    rest = f" The other {len(others)} ({', '.join(named(m) for m in others)}) do not." if others else ""
+    return (f"<p class='verdict'><b>{len(winners)} of {len(vs_base)} fine-tuned arms beat the base model in "
+            f"{label}</b> ({base}), minus base: {listed}.{rest}</p>")
+
+
+def oracle_sentence(block: dict) -> str:
+    """The oracle gap (clean minus mixed) of one metric, saying plainly when there is none to close."""
+    oracle, label = block.get("oracle"), esc(block["label"])
+    if not oracle:
+        return (f"<p>{label}: no oracle gap measured (the run has no model trained on the clean rows and one on "
+                "all rows): the share of the gap closed is undefined.</p>")
+    text = f"<p>Oracle gap in {label} (SFT on the clean rows minus SFT on all rows): <b>{format_ci(oracle, True)}</b>"
+    if not oracle_is_gap(oracle):
+        where = "lies below 0" if oracle["high"] < 0 else "includes 0"
+        return (text + f". <span class='bad'>No oracle gap: its interval {where}, so the share of the gap closed is "
+                "not meaningful and no method can show a gain over the mixed corpus here.</span></p>")
+    text += ". A method can close at most this gap"
+    if "clean" in block["vs_base"] and "clean" not in block["beats_base"]:
+        text += (" <span class='bad'>but the clean model itself does not beat the base model, so closing it is no "
+                 "gain over not fine-tuning</span>")
+    return text + ".</p>"
+
+
+def gap_closed_text(block: dict, model: str) -> str:
+    """A model's share of the oracle gap closed, or why it has none ("n/a: no oracle gap")."""
+    if not oracle_is_gap(block.get("oracle")):
+        return "n/a: no oracle gap"
+    share = block["gap_closed"].get(model)
+    if share is None:
+        return ""
+    below = model in block["vs_base"] and model not in block["beats_base"]
+    return f"{share:.2f}" + (" (not above base)" if below else "")
+
+
 def curation_comparisons(run_dir: str | Path, manifest: dict, *, replicates: int = 2000, seed: int = 0) -> dict:
     """Every method's held-out score against its matched random baseline and the mixed corpus, paired by question.
 
     Returns:
         ``{}`` when the run has no mixed-corpus model; else ``metric``, ``metric_label``, ``questions``,
-        ``models`` (each model's mean with its CI), ``oracle`` (clean minus mixed) and ``methods`` (one entry per
-        method that ran: its score, differences vs its baseline and vs mixed, share of the oracle gap closed,
-        selection quality, seconds).  Estimates are :meth:`Estimate.as_dict` dicts.
+        ``models`` (each model's mean with its CI), ``oracle`` (clean minus mixed), ``methods`` (one entry per
+        method that ran: its score, differences vs its baseline, vs mixed and vs base, share of the oracle gap
+        closed (only when the oracle interval lies above 0), selection quality, seconds) and ``by_metric``
+        (:func:`metric_block` of greedy and of sampled exact match).  Estimates are :meth:`Estimate.as_dict`
+        dicts.
     """
     loaded = heldout_scores(run_dir, manifest)
     if loaded is None:
@@ -181,6 +307,8 @@ def curation_comparisons(run_dir: str | Path, manifest: dict, *, replicates: int
     }
     if "clean" in scores:
         out["oracle"] = paired("clean", "mixed").as_dict()
+    out["by_metric"] = {key: metric_block(lab, sc, replicates=replicates, seed=seed)
+                        for key, (lab, sc) in scores_by_metric(run_dir, manifest, list(scores)).items()}
     methods = []
     for spec in METHODS:
         if spec.model not in scores:
@@ -191,7 +319,9 @@ def curation_comparisons(run_dir: str | Path, manifest: dict, *, replicates: int
                                  "seconds": _stage_seconds(manifest, spec.stages)}
         if spec.baseline in scores:
             entry["vs_baseline"] = paired(spec.model, spec.baseline).as_dict()
-        if "clean" in scores:
+        if BASE in scores:
+            entry["vs_base"] = paired(spec.model, BASE).as_dict()
+        if oracle_is_gap(out.get("oracle")):  # no gap (interval includes 0 or lies below): nothing to close
             entry["gap_closed"] = gap_closed(float(scores[spec.model].mean()), float(scores["mixed"].mean()),
                                              float(scores["clean"].mean()))
         methods.append(entry)
@@ -231,28 +361,41 @@ def _selection_text(sel: dict) -> str:
 
 
 def section_curation(run_dir: Path, manifest: dict) -> str:
-    """The report's first answer: did each method give better data and a better model than its baseline?"""
+    """The report's first answer: does any fine-tuned model beat the base model (greedy and sampled exact match
+    separately), is there an oracle gap, and did each method give better data and a better model than its
+    baseline?"""
     comparisons = curation_comparisons(run_dir, manifest)
     if not comparisons:
         return ""
     metric, n = comparisons["metric_label"], comparisons["questions"]
-    models = comparisons["models"]
-    parts = [f"<h2 id='curation'>Did curation help?</h2><p>Held-out {esc(metric)} on {n} questions; 95% paired "
-             "bootstrap intervals over questions (one corpus seed: rerun <code>jobs/proving_ground.yaml</code> for "
-             "several). <b>*</b> marks a difference whose interval excludes 0; <i>(noise)</i> one that does not.</p>"]
-    oracle = comparisons.get("oracle")
-    if oracle:
-        parts.append(f"<p>Oracle gap (SFT on the clean rows minus SFT on all rows): <b>{format_ci(oracle, True)}</b>; "
-                     f"mixed {format_ci(models['mixed'])}, clean {format_ci(models['clean'])}. "
-                     + ("A method can close at most this gap." if oracle["low"] > 0 else
-                        "<span class='bad'>The interval includes 0: on this corpus no method can show a gain "
-                        "over the mixed corpus.</span>") + "</p>")
+    by_metric = comparisons.get("by_metric") or {}
+    parts = ["<h2 id='curation'>Did curation help?</h2>"]
+    parts += [base_sentence(block) for block in by_metric.values()]
+    parts.append(f"<p>Held-out scores on {n} questions; 95% paired bootstrap intervals over questions (one corpus "
+                 "seed: rerun <code>jobs/proving_ground.yaml</code> for several). <b>*</b> marks a difference whose "
+                 "interval excludes 0; <i>(noise)</i> one that does not.</p>")
+    parts += [oracle_sentence(block) for block in by_metric.values()]
+    if by_metric:
+        parts.append(scores_table(by_metric))
+    primary = next((b for k, b in by_metric.items() if k == comparisons["metric"]), None)
     rows = [[m["label"], m["selection"].get("budget", ""), _selection_text(m["selection"]), format_ci(m["score"]),
              m["baseline"] or "", format_ci(m.get("vs_baseline"), True), format_ci(m["vs_mixed"], True),
-             "" if m.get("gap_closed") is None else f"{m['gap_closed']:.2f}", f"{m['seconds']:.0f}"]
+             format_ci(m.get("vs_base"), True), gap_closed_text(primary, m["model"]) if primary else "",
+             f"{m['seconds']:.0f}"]
             for m in comparisons["methods"]]
     if rows:
-        parts.append("<div class='wide'>" + table(
+        parts.append(f"<p>Methods, in held-out {esc(metric)}:</p><div class='wide'>" + table(
             ["method", "budget", "selection quality (ground truth)", metric, "baseline", "vs baseline",
-             "vs mixed", "gap closed", "seconds"], rows) + "</div>")
+             "vs mixed", "vs base", "share of oracle gap closed", "seconds"], rows) + "</div>")
     return "".join(parts)
+
+
+def scores_table(by_metric: dict[str, dict], names: dict[str, str] | None = None) -> str:
+    """Absolute held-out score of every model per metric, and each model minus the base model (paired)."""
+    names = names or {}
+    blocks = list(by_metric.values())
+    models = sorted(dict.fromkeys(m for b in blocks for m in b["models"]), key=lambda m: m != BASE)  # base first
+    header = ["model"] + [h for b in blocks for h in (b["label"], f"{b['label']} minus base")]
+    rows = [[names.get(m, m), *(cell for b in blocks for cell in (
+        format_ci(b["models"].get(m)), format_ci(b["vs_base"].get(m), True)))] for m in models]
+    return "<div class='wide'>" + table(header, rows) + "</div>"

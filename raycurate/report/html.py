@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from raycurate.report.charts import bar_chart, esc, table
+from raycurate.report.charts import HIGHER_IS_BETTER, LOWER_IS_BETTER, bar_chart, esc, table
 from raycurate.report.composition import section_composition
 from raycurate.report.curation import section_curation
 from raycurate.report.sections import section_bilevel, section_lm_eval, section_p2d, section_tune
-from raycurate.rundir import atomic_write_text
+from raycurate.rundir import atomic_write_text, parse_manifest
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2rem auto;max-width:1000px;color:#1d2430}
@@ -43,7 +43,8 @@ def section_summary(run_dir: Path, manifest: dict) -> str:
     return (
         f"<h2 id='summary'>Run summary</h2><p>Run <b>{_esc(manifest.get('run', run_dir.name))}</b>, pipeline "
         f"<b>{_esc(manifest.get('pipeline', '?'))}</b>: {done}/{len(stages)} stages done, "
-        f"{total:.1f} s of stage time. Config: <code>{_esc(run_dir / 'config.yaml')}</code>.</p>"
+        f"{total:.1f} s of stage time. Config: <code>config.yaml</code> in the run directory (paths in this "
+        "report are relative to it).</p>"
     )
 
 
@@ -68,7 +69,9 @@ def section_timings(run_dir: Path, manifest: dict) -> str:
     items = [(name, float(s.get("seconds", 0.0))) for name, s in stages.items()]
     rows = [[name, s.get("status"), f"{s.get('seconds', 0):.1f}", s.get("config_hash", "")]
             for name, s in stages.items()]
-    return ("<h2 id='timings'>Stage timings</h2>" + bar_chart(items, unit=" s")
+    return ("<h2 id='timings'>Stage timings</h2>"
+            + bar_chart(items, title="Wall time per stage", value_label="seconds", category_label="stage",
+                        direction=LOWER_IS_BETTER, unit=" s")
             + _table(["stage", "status", "seconds", "config hash"], rows))
 
 
@@ -85,9 +88,12 @@ def section_results(run_dir: Path, manifest: dict) -> str:
             "with greedy decoding, mean per-token loss of the gold response, and for greedy decoding the share of "
             "answers in the <code>####</code> format, the share of generated <code>a op b = c</code> equations that "
             "are right and the share of outputs carrying the corpus's unsafe marker (also over the samples).</p>"
-            + _table(["model", "questions", "sampled exact match", "greedy exact match", "gold loss", "#### format",
-                      "equation accuracy", "unsafe", "unsafe (sampled)"], rows)
-            + bar_chart([(n, float(m.get("gold_loss", 0))) for n, m in heldout.items()], color="#c2784a"))
+            + _table(["model", "questions", "sampled exact match", "greedy exact match",
+                      "gold loss (lower is better)", "#### format", "equation accuracy",
+                      "unsafe (lower is better)", "unsafe, sampled (lower is better)"], rows)
+            + bar_chart([(n, float(m.get("gold_loss", 0))) for n, m in heldout.items()],
+                        title="Held-out gold-response loss per model", value_label="nats per token",
+                        category_label="model", direction=LOWER_IS_BETTER, color="#c2784a"))
 
 
 def section_corpus(run_dir: Path, manifest: dict) -> str:
@@ -98,7 +104,8 @@ def section_corpus(run_dir: Path, manifest: dict) -> str:
     for key in ("domains", "corruptions"):
         counts = corpus.get(key)
         if isinstance(counts, dict):
-            parts.append(f"<p>{_esc(key)}</p>" + bar_chart([(k, float(v)) for k, v in counts.items()]))
+            parts.append(bar_chart([(k, float(v)) for k, v in counts.items()], title=f"Corpus rows by {key}",
+                                   value_label="rows", category_label=key.removesuffix("s")))
     return "".join(parts)
 
 
@@ -150,7 +157,9 @@ def section_bridge(run_dir: Path, manifest: dict) -> str:
             budget_rows.append([f"executed tokens after compaction ({stage})", f"{cm['executed_token_ratio']:.3f}"])
     out.append("<h3>Realised budgets (Table 7 style)</h3>" + _table(["quantity", "value"], budget_rows))
     out.append("<h3>Surrogate utility by schedule (mean U_sur)</h3>" + bar_chart(
-        [(k, float(m.get(f"u_sur_{k}", 0.0))) for k in ("independent", "one_pass", "alternating")]))
+        [(k, float(m.get(f"u_sur_{k}", 0.0))) for k in ("independent", "one_pass", "alternating")],
+        title="Mean surrogate utility U_sur of the selection", value_label="mean U_sur", category_label="schedule",
+        direction=HIGHER_IS_BETTER))
     fidelity_path = run_dir / "bridge_diagnostics" / "fidelity.json"
     if fidelity_path.exists():
         fid = json.loads(fidelity_path.read_text())
@@ -199,12 +208,13 @@ def render_report(run_dir: str | Path) -> str:
     manifest_path = run_dir / "manifest.json"
     if not manifest_path.exists():
         raise FileNotFoundError(f"{manifest_path} not found; is {run_dir} a raycurate run directory?")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = parse_manifest(manifest_path.read_bytes(), str(manifest_path))
     body = "".join(section(run_dir, manifest) for section in SECTIONS)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>raycurate: {_esc(run_dir.name)}"
             f"</title><style>{CSS}</style></head><body><h1>raycurate run report</h1>"
-            f"<p class='muted'>{_esc(run_dir.resolve())} &middot; generated {stamp}</p>{body}</body></html>")
+            f"<p class='muted'>run directory <code>{_esc(run_dir.name)}</code> &middot; generated {stamp}</p>"
+            f"{body}</body></html>")
 
 
 def write_run_report(run_dir: str | Path) -> Path:

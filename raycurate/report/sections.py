@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from raycurate.report.charts import esc, heatmap, histogram, scatter, table
+from raycurate.report.charts import HIGHER_IS_BETTER, LOWER_IS_BETTER, esc, heatmap, histogram, scatter, table
 
 
 def _stage(manifest: dict, name: str) -> dict:
@@ -29,7 +29,8 @@ def section_p2d(run_dir: Path, manifest: dict) -> str:
                 marked.add((h["layer"], h["head"]))
         parts.append(f"<p>Head sensitivity ({esc(data['method'])}, tau={data['tau']}) between the base model and the "
                      f"proxy; outlined: the {len(marked)} selected heads (rho_P={data['ratio']}).</p>")
-        parts.append(heatmap(grid, row_label="layer", col_label="head", marked=marked))
+        parts.append(heatmap(grid, title=f"Head sensitivity ({data['method']})", row_label="layer",
+                             col_label="head", marked=marked))
     select = _stage(manifest, "p2d_select").get("metrics") or {}
     if select:
         rows = [[k, "" if select.get(k) is None else f"{select[k]:.3f}"] for k in
@@ -60,7 +61,8 @@ def section_bilevel(run_dir: Path, manifest: dict) -> str:
             parts.append(f"<h3>{esc(method)}</h3><p>sigma(omega) after training by ground-truth label"
                          + (f"; AUROC clean vs corrupted = {auroc:.3f}{interval}" if auroc is not None else "")
                          + ".</p>")
-            parts.append(histogram(hist))
+            parts.append(histogram(hist, title=f"{method}: learned row weights by ground-truth label",
+                                   x_label="sigma(omega)", y_label="rows"))
             parts.append(_auroc_by_kind(info))
         for key, title in (("top", "highest-weighted"), ("bottom", "lowest-weighted")):
             rows = info.get(key) or []
@@ -78,7 +80,7 @@ def section_bilevel(run_dir: Path, manifest: dict) -> str:
     losses = bilevel.get("losses")
     if losses:
         parts.append("<p>upper-level (validation) and lower-level (training) losses</p>" + table(
-            ["method", "validation loss", "training loss"],
+            ["method", "validation loss (lower is better)", "training loss (lower is better)"],
             [[m, f"{v.get('validation_loss', float('nan')):.4f}", f"{v.get('train_loss', float('nan')):.4f}"]
              for m, v in losses.items()]))
     return "".join(parts)
@@ -140,7 +142,9 @@ def section_tune(run_dir: Path, manifest: dict) -> str:
         points = [(r[p], r["metric"]) for r in rows if isinstance(r.get(p), (int, float)) and r.get("metric")
                   is not None]
         if points:
-            parts.append(scatter(points, x_label=p.removeprefix("param."), y_label="metric"))
+            direction = {"min": LOWER_IS_BETTER, "max": HIGHER_IS_BETTER}.get(tune.get("mode"))
+            parts.append(scatter(points, title=f"{tune['metric']} vs {p.removeprefix('param.')}",
+                                 x_label=p.removeprefix("param."), y_label=str(tune["metric"]), direction=direction))
     best = tune.get("best")
     if best:
         parts.append(f"<p>Best trial {best['trial']}: metric {best['metric']:.4g}; config "
