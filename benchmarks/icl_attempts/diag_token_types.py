@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_embedded_model import split_row  # noqa: E402
-
 from raycurate.algorithms.icl_probe import answer_token_logprobs, assemble_prompt  # noqa: E402
 from raycurate.config.p2d import P2DConfig  # noqa: E402
+from raycurate.data.chat_layout import chat_layout, instruction_ids, split_row  # noqa: E402
 from raycurate.data.corpus import generate_corpus  # noqa: E402
 from raycurate.data.tokenize import tokenize_batch  # noqa: E402
 from raycurate.models.loading import load_model, load_tokenizer  # noqa: E402
@@ -33,18 +29,18 @@ def main(model_dir: str = "embedded", n_queries: int = 40) -> None:
     torch.set_num_threads(1)
     tok, model = load_tokenizer(model_dir), load_model(model_dir)
     rows, _ = tokenize_batch(tok, generate_corpus(800, 7, 0.3), max_length=4096)
-    bos = [tok.bos_token_id]
-    instruction = bos + tok.encode(P2DConfig().instruction + "\n\n", add_special_tokens=False)
+    layout = chat_layout(tok)
+    instruction = instruction_ids(tok, layout, P2DConfig().instruction)
     clean = [r for r in rows if r["label"]["clean"]]
     rng = np.random.default_rng(0)
     stats: dict[str, list[float]] = {}
     for qi in rng.permutation(len(clean))[:n_queries].tolist():
-        query, answer = split_row(clean[qi], bos)
+        query, answer = split_row(clean[qi], layout)
         picks = [i for i in rng.choice(len(clean), 6, replace=False).tolist() if i != qi][:5]
-        demos = [sum(split_row(clean[i], bos), []) for i in picks]
+        demos = [sum(split_row(clean[i], layout), []) for i in picks]
         zero_ids = instruction + query + answer
         zero = token_losses(model, zero_ids, (len(instruction) + len(query), len(zero_ids)))
-        assembled = assemble_prompt(instruction, demos, [query], [answer])
+        assembled = assemble_prompt(instruction, demos, [query], [answer], separator=layout.separator)
         five = token_losses(model, assembled["input_ids"], assembled["answer_spans"][0])
         for token, x0, x5 in zip(answer, zero, five):
             text = tok.decode([token])

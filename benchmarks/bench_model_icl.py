@@ -1,9 +1,11 @@
-"""Does the base model learn in context and read the prompt's facts?  (issue #12, item 1)
+"""Does a model learn in context and read the prompt's facts?  (issue #12, item 1; any model since issue #25)
 
-Loads a checkpoint directory (default: the embedded model, ``raycurate/models/embedded``), builds P2D probe prompts
-from ``generate_corpus`` rows with P2D's own builder (:func:`raycurate.algorithms.icl_probe.assemble_prompt`:
-BOS + instruction + blank line, demonstrations as tokenized chat rows, then the query and its teacher-forced gold
-answer), and measures, per query, the mean gold-answer token loss (NLL) under
+Loads a model (``--model``: ``embedded``, the default, ``smollm2-135m`` or a checkpoint folder), builds P2D probe
+prompts from ``generate_corpus`` rows exactly as P2D's probe does (:func:`raycurate.stages.p2d.probe_prompt`: the
+instruction segment of :func:`raycurate.data.chat_layout.instruction_ids` -- BOS + instruction + blank line for the
+embedded tokenizer, a system turn for ChatML --, demonstrations as tokenized chat rows joined by the template's row
+separator, then the query and its teacher-forced gold answer), and measures, per query, the mean gold-answer token
+loss (NLL) under
 
 * 0 demonstrations, 5 clean demonstrations, 5 corrupted demonstrations (the same query in all three: paired);
 
@@ -11,7 +13,7 @@ and, per clean row with fact and distractor spans, the gold-response loss of the
 relevant-fact prompt tokens are knocked out vs when ``n`` of its distractor tokens are, ``n = min(|relevant|,
 |distractor|)`` tokens drawn uniformly (seeded) from each side.  Knock-out = the response and every later token
 cannot attend to those key positions (``--knockout mask``, default) or the tokens are replaced by a space token
-(``--knockout replace``).
+(``--knockout replace``).  Only the first ``--knockout-rows`` clean rows with distractor spans are computed.
 
 Figures (paired bootstrap 95% CIs over queries / rows, ``--bootstrap`` resamples):
 
@@ -19,11 +21,14 @@ Figures (paired bootstrap 95% CIs over queries / rows, ``--bootstrap`` resamples
 * ``corrupted_demo_penalty = mean(loss(5 corrupted) - loss(5 clean))``;
 * ``relevant_over_distractor_knockout = mean increase(relevant) / mean increase(distractor)``;
 * ``context``: the pre-training block length the checkpoint reached (from ``recipe.json`` or
-  ``pretrain_metadata.json``).
+  ``pretrain_metadata.json``; 0 when neither exists).
 
-Usage: ``python benchmarks/bench_embedded_model.py [MODEL_DIR] [--queries 240] [--seed 7] [--json out.json]``.
-The last printed line is ``icl_gain=<x> corrupted_demo_penalty=<y> relevant_over_distractor_knockout=<z>
-context=<n>``.
+On the embedded model the prompts, and so the figures, are those of ``bench_embedded_model.py``, its name before
+issue #25.  Progress lines (queries, knock-out rows) are printed, flushed, as the work goes.
+
+Usage: ``python benchmarks/bench_model_icl.py [--model embedded|smollm2-135m|DIR] [--queries 240]
+[--knockout-rows 240] [--system-prompt default|none|TEXT] [--seed 0] [--json out.json]``.  The last printed line
+is ``icl_gain=<x> corrupted_demo_penalty=<y> relevant_over_distractor_knockout=<z> context=<n>``.
 """
 
 from __future__ import annotations
@@ -32,25 +37,35 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from raycurate.algorithms.icl_probe import answer_token_logprobs, assemble_prompt
+from raycurate.algorithms.icl_probe import answer_token_logprobs
 from raycurate.config.p2d import P2DConfig
+from raycurate.data.chat_layout import ChatLayout, chat_layout, instruction_ids, split_row
 from raycurate.data.corpus import generate_corpus
 from raycurate.data.tokenize import tokenize_batch
-from raycurate.models.loading import load_model, load_tokenizer
+from raycurate.models.loading import load_model, load_tokenizer, resolve_model_path
+from raycurate.stages.p2d import probe_prompt
 
-EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "raycurate" / "models" / "embedded"
+
+def progress(what: str, done: int, total: int, start: float, every: int) -> None:
+    """Print ``what done/total (elapsed s)`` every ``every`` items and at the last one (flushed)."""
+    if every > 0 and (done % every == 0 or done == total):
+        print(f"{what} {done}/{total} ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
-def split_row(row: dict, bos: list[int]) -> tuple[list[int], list[int]]:
-    """(prompt part, response part) of a token row without its BOS, as P2D's probe splits it."""
-    ids, p = list(row["input_ids"]), int(row["prompt_len"])
-    start = len(bos) if bos and ids[:1] == bos else 0
-    return ids[start:p], ids[p:]
+def model_dir(name: str) -> str:
+    """``--model`` -> a checkpoint folder: ``embedded``, a name :mod:`raycurate.models.loading` resolves, or a
+    folder; exits with a message naming what to do when there is no such folder."""
+    path = resolve_model_path(name)
+    if not os.path.isdir(path):
+        raise SystemExit(f"--model {name}: no checkpoint folder {path!r}; fetch and convert the model first "
+                         "(README: the real model) or pass a local checkpoint folder")
+    return path
 
 
 def answer_loss(model, ids: list[int], span: tuple[int, int], attention_mask: torch.Tensor | None = None) -> float:
@@ -62,12 +77,12 @@ def answer_loss(model, ids: list[int], span: tuple[int, int], attention_mask: to
     return float(-answer_token_logprobs(logits, input_ids[0], span).mean())
 
 
-def query_losses(model, instruction: list[int], demos: list[list[int]], query: tuple[list[int], list[int]]) -> float:
-    """Gold-answer loss of one query after ``demos`` (none: instruction + query + answer)."""
-    q, a = query
+def query_losses(model, layout: ChatLayout, instruction: list[int], demos: list[dict], query: dict) -> float:
+    """Gold-answer loss of one query row after the ``demos`` rows (none: instruction + query + answer)."""
     if demos:
-        assembled = assemble_prompt(instruction, demos, [q], [a])
+        assembled, _ = probe_prompt(layout, instruction, demos, [query])
         return answer_loss(model, assembled["input_ids"], assembled["answer_spans"][0])
+    q, a = split_row(query, layout)
     ids = instruction + q + a
     return answer_loss(model, ids, (len(instruction) + len(q), len(ids)))
 
@@ -137,29 +152,37 @@ def context_length(model_dir: str, model) -> int:
     return 0
 
 
-def induction_check(model, tokenizer, n_episodes: int = 60, seed: int = 12345) -> tuple[float, float]:
+def induction_check(model, tokenizer, system_prompt: str = "default", n_episodes: int = 60,
+                    seed: int = 12345) -> tuple[float, float]:
     """Mean response loss in word-mapping episodes: (key seen earlier in the episode, key first seen).
 
-    A model with induction heads copies the value of a repeated key, so the first number is far below the second.
+    An episode is 10 (question, answer) chat rows joined like a probe prompt (sequence lead once, rows as
+    tokenized, the template's row separator between them); the loss is over each answer's text tokens.  A model with
+    induction heads copies the value of a repeated key, so the first number is far below the second.
     """
     import random
 
-    from raycurate.data.pretrain_texts import ASSISTANT, END, EOS, USER, mapping_episode
+    from raycurate.data.pretrain_texts import mapping_episode
 
     rng = random.Random(seed)
+    layout = chat_layout(tokenizer)
     seen_losses, new_losses = [], []
     for _ in range(n_episodes):
-        ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        pairs = mapping_episode(rng, 10)
+        rows, _ = tokenize_batch(tokenizer, [{"id": str(i), "prompt": p, "response": r}
+                                             for i, (p, r) in enumerate(pairs)], max_length=4096,
+                                 system_prompt=system_prompt)
+        ids = list(layout.lead)
         spans, seen, keys = [], [], set()
-        for prompt, response in mapping_episode(rng, 10):
-            ids += tokenizer.encode(f"{USER}{prompt}{END}{ASSISTANT}", add_special_tokens=False)
+        for row, (_, response) in zip(rows, pairs):
+            prompt_part, response_part = split_row(row, layout)
+            ids += prompt_part
             start = len(ids)
-            ids += tokenizer.encode(response, add_special_tokens=False)
-            spans.append((start, len(ids)))
+            spans.append((start, start + len(tokenizer.encode(response, add_special_tokens=False))))
+            ids += response_part + layout.separator
             key = response.split(" -> ")[0]
             seen.append(key in keys)
             keys.add(key)
-            ids += tokenizer.encode(f"{END}{EOS}", add_special_tokens=False)
         input_ids = torch.tensor([ids])
         with torch.no_grad():
             logits = model(input_ids=input_ids).logits[0]
@@ -171,9 +194,15 @@ def induction_check(model, tokenizer, n_episodes: int = 60, seed: int = 12345) -
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model_dir", nargs="?", default=str(EMBEDDED_DIR))
+    parser.add_argument("--model", default="embedded",
+                        help="'embedded' (the committed base model), 'smollm2-135m' (once fetched) or a checkpoint "
+                             "folder")
     parser.add_argument("--queries", type=int, default=240, help="queries per condition (>= 200 for the claim)")
-    parser.add_argument("--knockout-rows", type=int, default=240)
+    parser.add_argument("--knockout-rows", type=int, default=240,
+                        help="clean rows with distractor spans to knock out (only these are computed)")
+    parser.add_argument("--system-prompt", default="default",
+                        help="tokenize.system_prompt of the rows: default (the template's), none, or the text")
+    parser.add_argument("--progress-every", type=int, default=10, help="a progress line every N items (0: none)")
     parser.add_argument("--corpus-rows", type=int, default=3000)
     parser.add_argument("--corpus-seed", type=int, default=7)
     parser.add_argument("--corrupt-fraction", type=float, default=0.3)
@@ -187,31 +216,38 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
 
-    tokenizer = load_tokenizer(args.model_dir)
-    model = load_model(args.model_dir, dtype="float32", attn_implementation="sdpa").eval()
+    path = model_dir(args.model)
+    tokenizer = load_tokenizer(path)
+    model = load_model(path, dtype="float32", attn_implementation="sdpa").eval()
     rows, _ = tokenize_batch(tokenizer, generate_corpus(args.corpus_rows, args.corpus_seed, args.corrupt_fraction),
-                             max_length=4096)
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    instruction = bos + tokenizer.encode(P2DConfig().instruction + "\n\n", add_special_tokens=False)
+                             max_length=4096, system_prompt=args.system_prompt)
+    layout = chat_layout(tokenizer)
+    instruction = instruction_ids(tokenizer, layout, P2DConfig().instruction)
     clean = [r for r in rows if r["label"]["clean"]]
     corrupted = [r for r in rows if not r["label"]["clean"]]
     rng = np.random.default_rng(args.seed)
+    print(f"{path}: {len(rows)} corpus rows, BOS kind {layout.kind}, {args.queries} queries x 3 prompts, "
+          f"{args.knockout_rows} knock-out rows", flush=True)
 
     losses = {"zero": [], "clean": [], "corrupted": []}
     query_order = rng.permutation(len(clean))[: args.queries]
-    for qi in query_order.tolist():
-        query = split_row(clean[qi], bos)
+    start = time.perf_counter()
+    for done, qi in enumerate(query_order.tolist(), 1):
         others = [i for i in rng.choice(len(clean), size=args.demos + 1, replace=False).tolist() if i != qi]
-        clean_demos = [sum(split_row(clean[i], bos), []) for i in others[: args.demos]]
-        bad_demos = [sum(split_row(corrupted[i], bos), [])
-                     for i in rng.choice(len(corrupted), size=args.demos, replace=False).tolist()]
-        losses["zero"].append(query_losses(model, instruction, [], query))
-        losses["clean"].append(query_losses(model, instruction, clean_demos, query))
-        losses["corrupted"].append(query_losses(model, instruction, bad_demos, query))
+        clean_demos = [clean[i] for i in others[: args.demos]]
+        bad_demos = [corrupted[i] for i in rng.choice(len(corrupted), size=args.demos, replace=False).tolist()]
+        losses["zero"].append(query_losses(model, layout, instruction, [], clean[qi]))
+        losses["clean"].append(query_losses(model, layout, instruction, clean_demos, clean[qi]))
+        losses["corrupted"].append(query_losses(model, layout, instruction, bad_demos, clean[qi]))
+        progress("queries", done, len(query_order), start, args.progress_every)
     zero, with_clean, with_bad = (np.array(losses[k]) for k in ("zero", "clean", "corrupted"))
 
-    knock = [knockout_increases(model, tokenizer, r, rng, args.knockout)
-             for r in clean if r["label"].get("distractor_spans")][: args.knockout_rows]
+    # only the rows that are reported: the first --knockout-rows clean rows with distractor spans
+    eligible = [r for r in clean if r["label"].get("distractor_spans")][: args.knockout_rows]
+    knock, start = [], time.perf_counter()
+    for done, row in enumerate(eligible, 1):
+        knock.append(knockout_increases(model, tokenizer, row, rng, args.knockout))
+        progress("knock-out rows", done, len(eligible), start, args.progress_every)
     knock = np.array([k for k in knock if k is not None])
 
     gain = bootstrap(lambda z, c: 1 - c.mean() / z.mean(), [zero, with_clean], args.bootstrap, args.seed)
@@ -222,7 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
     distractor_up = bootstrap(lambda d: d.mean(), [knock[:, 1]], args.bootstrap, args.seed)
     gap = bootstrap(lambda r, d: (r - d).mean(), [knock[:, 0], knock[:, 1]], args.bootstrap, args.seed)
     result = {
-        "model_dir": args.model_dir, "queries": len(zero), "knockout_rows": len(knock), "knockout": args.knockout,
+        "model": args.model, "model_dir": path, "system_prompt": args.system_prompt,
+        "queries": len(zero), "knockout_rows": len(knock), "knockout": args.knockout,
         "corpus_seed": args.corpus_seed, "corrupt_fraction": args.corrupt_fraction, "seed": args.seed,
         "loss_zero_demos": float(zero.mean()), "loss_clean_demos": float(with_clean.mean()),
         "loss_corrupted_demos": float(with_bad.mean()),
@@ -231,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
         "knockout_increase_distractor": float(knock[:, 1].mean()),
         "knockout_increase_relevant_ci": relevant_up, "knockout_increase_distractor_ci": distractor_up,
         "knockout_relevant_minus_distractor": gap,
-        "context": context_length(args.model_dir, model),
+        "context": context_length(path, model),
     }
     for key in ("icl_gain", "corrupted_demo_penalty", "relevant_over_distractor_knockout",
                 "knockout_increase_relevant_ci", "knockout_increase_distractor_ci",
@@ -242,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{with_bad.mean():.4f} ({len(zero)} queries); knock-out increase relevant "
           f"{result['knockout_increase_relevant']:.4f} vs distractor {result['knockout_increase_distractor']:.4f} "
           f"({len(knock)} rows, {args.knockout})")
-    result["induction_seen_key_loss"], result["induction_new_key_loss"] = induction_check(model, tokenizer)
+    result["induction_seen_key_loss"], result["induction_new_key_loss"] = induction_check(model, tokenizer,
+                                                                                         args.system_prompt)
     print(f"induction check (word-mapping episodes): response loss {result['induction_seen_key_loss']:.4f} when the "
           f"key appeared earlier vs {result['induction_new_key_loss']:.4f} when new")
     if args.json:
