@@ -626,5 +626,6 @@ def evaluate(model: Any, heldout: Any, *, name: str | None = None, workdir: str 
         heldout_stage(run, "heldout", rows)
         stage = name or ("eval" if model_stage == "train" else f"eval_{model_stage.removeprefix('train_')}")
         evaluate_stage(run, stage, model_stage=model_stage, heldout_stage="heldout", eval_cfg=cfg.eval,
-                       max_length=cfg.data.max_length)
+                       max_length=cfg.data.max_length,
+                       system_prompt=cfg.tokenize.system_prompt)
         return _result(prep, stage, "predictions")

@@ -264,3 +264,40 @@ def test_embedded_probe_is_the_pretraining_episode_layout(embedded, records):
     # the layout before this change: BOS + instruction + blank line, then each row without its BOS, glued
     old = [embedded.bos_token_id] + embedded.encode(INSTRUCTION + "\n\n", add_special_tokens=False)
     assert ids == old + [t for r in rows for t in r["input_ids"][1:]]
+
+
+# ------------------------------------------------------------------------------------------------ config and stages
+
+
+def test_system_prompt_config_option():
+    from raycurate.config.data import TokenizeConfig
+    from raycurate.config.loader import ConfigError, load_config
+    from raycurate.config.schema import JobConfig
+
+    assert JobConfig().tokenize.system_prompt == "default"
+    cfg = load_config(JobConfig, None, ["tokenize.system_prompt=none", "tokenize.num_actors=1"])
+    assert isinstance(cfg.tokenize, TokenizeConfig)
+    assert (cfg.tokenize.system_prompt, cfg.tokenize.num_actors) == ("none", 1)
+    with pytest.raises(ConfigError, match="use 'none'"):
+        load_config(JobConfig, None, ["tokenize.system_prompt= "])
+
+
+def test_stage_keys_change_only_when_the_system_prompt_is_set():
+    from raycurate.config.schema import EvalConfig
+    from raycurate.stages.model_stages import heldout_eval_config
+
+    base = heldout_eval_config(EvalConfig(), 384)
+    assert heldout_eval_config(EvalConfig(), 384, "default") == base  # runs from before the option keep their hash
+    assert heldout_eval_config(EvalConfig(), 384, "none") != base
+
+
+def test_tokenize_udf_renders_with_the_system_prompt(smollm, records, tmp_path):
+    import pyarrow as pa
+
+    from raycurate.stages.data_stages import TokenizeUDF
+
+    smollm.save_pretrained(tmp_path)
+    batch = pa.Table.from_pylist([{k: records[0][k] for k in ("id", "prompt", "response")}])
+    for sp, first in (("default", ("system", SMOLLM2_DEFAULT)), ("none", ("user", records[0]["prompt"]))):
+        out = TokenizeUDF(str(tmp_path), 1024, system_prompt=sp)(batch).to_pylist()[0]
+        assert _turns(smollm.decode(out["input_ids"]))[0] == first

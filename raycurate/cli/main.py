@@ -133,7 +133,7 @@ def _open_existing_run(location: str, command: str):
     """The run directory at ``location`` (a path or a storage URI, whose local mirror is pulled), locked for
     writing; a location without a manifest is an error."""
     from raycurate import storage
-    from raycurate.rundir import RunDir, open_run_dir
+    from raycurate.rundir import RunDir, open_run_dir, parse_manifest
 
     if storage.is_uri(location):
         manifest = storage.Location.parse(location, key="RUN_DIR").child("manifest.json")
@@ -141,8 +141,10 @@ def _open_existing_run(location: str, command: str):
             raise UserError(f"{command}: {storage.redact(location)} has no manifest.json; pass a raycurate run "
                             "directory (a path or a storage URI)")
         return open_run_dir(*storage.split_name(location))
-    if not (Path(location) / "manifest.json").is_file():
+    manifest = Path(location) / "manifest.json"
+    if not manifest.is_file():
         raise UserError(f"{command}: {location} has no manifest.json; pass a raycurate run directory")
+    parse_manifest(manifest.read_bytes(), str(manifest))  # before the lock file is written
     return RunDir(location, lock=True)
 
 
@@ -226,11 +228,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from raycurate import storage
+    from raycurate.rundir import parse_manifest
 
     manifest_file = storage.Location.parse(args.run_dir, key="RUN_DIR").child("manifest.json")
     if not storage.is_file(manifest_file):
-        raise SystemExit(f"{storage.redact(args.run_dir)} has no manifest.json; is it a raycurate run directory?")
-    manifest = json.loads(storage.read_text(manifest_file))
+        raise UserError(f"inspect: {storage.redact(args.run_dir)} has no manifest.json; is it a raycurate run "
+                        "directory?")
+    manifest = parse_manifest(storage.read_bytes(manifest_file), manifest_file.display)
     print(f"run {manifest.get('run')}  pipeline {manifest.get('pipeline', '?')}")
     if manifest.get("storage"):
         print(f"storage: {manifest['storage']}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raycurate.config.base import option
+from raycurate.config.pool import ActorPoolConfig
 
 
 @dataclass
@@ -57,3 +58,23 @@ class DataConfig:
         if isinstance(self.input, str):
             return [self.input] if self.input else []
         return list(self.input)
+
+
+@dataclass
+class TokenizeConfig(ActorPoolConfig):
+    """Config section ``tokenize``: how chat rows are rendered, and the actor pool that tokenizes them."""
+
+    system_prompt: str = option(
+        "default",
+        "System turn of conversations that have none of their own: default (the chat template's own, e.g. "
+        "SmolLM2's 'You are a helpful AI assistant named SmolLM...'; none for the embedded model), none (no system "
+        "turn, even where the template would inject one), or any other text (that system prompt).  Applies to the "
+        "training rows and to held-out evaluation prompts alike.",
+    )
+
+    def config_problems(self) -> list[str]:
+        """An empty system prompt is ambiguous (an empty system turn or none?): ask for ``none``."""
+        if not self.system_prompt.strip():
+            return ["tokenize.system_prompt is empty; use 'none' for no system turn, or the prompt text"]
+        return []
+

@@ -11,7 +11,7 @@ from raycurate.config.base import option
 from raycurate.config.bilevel import BilevelConfig
 from raycurate.config.bridge import BridgeConfig
 from raycurate.config.curate import POOL_SPLIT, CurateConfig
-from raycurate.config.data import DataConfig
+from raycurate.config.data import DataConfig, TokenizeConfig
 from raycurate.config.model import ModelConfig
 from raycurate.config.p2d import P2DConfig
 from raycurate.config.pool import ActorPoolConfig
@@ -108,8 +108,9 @@ class JobConfig:
     ray: RayConfig = option(RayConfig(), "Ray connection.")
     data: DataConfig = option(DataConfig(), "Input data, validation and splits.")
     model: ModelConfig = option(ModelConfig(), "Base model and tokenizer.")
-    tokenize: ActorPoolConfig = option(ActorPoolConfig(batch_size=256, gpus_per_actor=0),
-                                       "Actor pool for tokenization (CPU work: no GPUs by default).")
+    tokenize: TokenizeConfig = option(TokenizeConfig(batch_size=256, gpus_per_actor=0),
+                                      "Chat rendering (system prompt) and the actor pool for tokenization (CPU work: "
+                                      "no GPUs by default).")
     train: TrainConfig = option(TrainConfig(), "Fine-tuning (Ray Train).")
     eval: EvalConfig = option(EvalConfig(), "Held-out evaluation.")
     demo: DemoConfig = option(DemoConfig(), "Demo contents.")

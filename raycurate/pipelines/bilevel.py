@@ -174,7 +174,8 @@ def run_bilevel_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
         losses: dict[str, float] = {}
         if evaluate:
             record = evaluate_stage(run, f"eval_{name}", model_stage=model_stage, heldout_stage="corpus",
-                                    eval_cfg=cfg.eval, max_length=cfg.data.max_length)
+                                    eval_cfg=cfg.eval, max_length=cfg.data.max_length,
+                                    system_prompt=cfg.tokenize.system_prompt)
             results[name] = record["metrics"]
             losses["validation_loss"] = record["metrics"]["gold_loss"]  # upper level: held-out trusted data
         lower = "bilevel_clean_candidates" if labelled else "bilevel_candidate_rows"

@@ -94,7 +94,8 @@ def run_bridge_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
         train_stage(run, f"train_{name}", tokens_stage=tokens_stage, init_stage="base_model", train_cfg=cfg.train)
         if evaluate:
             record = evaluate_stage(run, f"eval_{name}", model_stage=f"train_{name}", heldout_stage="corpus",
-                                    eval_cfg=cfg.eval, max_length=cfg.data.max_length)
+                                    eval_cfg=cfg.eval, max_length=cfg.data.max_length,
+                                    system_prompt=cfg.tokenize.system_prompt)
             results[name] = record["metrics"]
     return results
 

@@ -163,7 +163,8 @@ def reference_models(run: Any, cfg: Any) -> dict[str, dict]:
             train_stage(run, f"train_{model}", tokens_stage=tokens, init_stage="base_model", train_cfg=cfg.train)
         heldout[model] = evaluate_stage(run, f"eval_{model}", model_stage=f"train_{model}" if tokens else "base_model",
                                         heldout_stage="corpus", eval_cfg=cfg.eval,
-                                        max_length=cfg.data.max_length)["metrics"]
+                                        max_length=cfg.data.max_length,
+                                        system_prompt=cfg.tokenize.system_prompt)["metrics"]
     return heldout
 
 
@@ -213,7 +214,8 @@ def run_curate(cfg: Any) -> dict:
         if evaluate:
             heldout[model] = evaluate_stage(run, f"eval_{model}", model_stage=f"train_{model}",
                                             heldout_stage="corpus", eval_cfg=cfg.eval,
-                                            max_length=cfg.data.max_length)["metrics"]
+                                            max_length=cfg.data.max_length,
+                                            system_prompt=cfg.tokenize.system_prompt)["metrics"]
         described[arm] = {"model": model, "rows": m["rows"], "response_tokens": m["response_tokens"],
                           "token_ratio": m["response_tokens"] / max(budget, 1), "prompt_tokens": m["prompt_tokens"],
                           "clean_share": m.get("clean_share"), **({"rho_r": m["rho_r"]} if "rho_r" in m else {})}

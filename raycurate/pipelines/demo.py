@@ -49,7 +49,8 @@ def run_demo(cfg: Any) -> dict:
     results = {}
     for variant, model_stage in variants:
         record = evaluate_stage(run, f"eval_{variant}", model_stage=model_stage, heldout_stage="corpus",
-                                eval_cfg=cfg.eval, max_length=cfg.data.max_length)
+                                eval_cfg=cfg.eval, max_length=cfg.data.max_length,
+                                system_prompt=cfg.tokenize.system_prompt)
         results[variant] = record["metrics"]
     if "bridge" in cfg.demo.methods:
         from raycurate.pipelines.bridge import run_bridge_stages

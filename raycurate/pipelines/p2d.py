@@ -130,7 +130,8 @@ def run_p2d_stages(run: Any, cfg: Any, *, evaluate: bool, full_sft_stage: str | 
         if evaluate:
             eval_name = stage.replace("train_", "eval_", 1)
             record = evaluate_stage(run, eval_name, model_stage=stage, heldout_stage="corpus", eval_cfg=cfg.eval,
-                                    max_length=cfg.data.max_length)
+                                    max_length=cfg.data.max_length,
+                                    system_prompt=cfg.tokenize.system_prompt)
             results[stage.replace("train_", "", 1)] = record["metrics"]
     full = "train_p2d_full_data" if "full_data" in cfg.p2d.baselines else full_sft_stage
     if full is not None:

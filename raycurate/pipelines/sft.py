@@ -16,7 +16,8 @@ def run_sft_pipeline(cfg: Any) -> dict:
     train_stage(run, "train", tokens_stage="tokenize", init_stage="base_model", train_cfg=cfg.train)
     if "corpus" in records:
         evaluate_stage(run, "eval", model_stage="train", heldout_stage="corpus", eval_cfg=cfg.eval,
-                       max_length=cfg.data.max_length)
+                       max_length=cfg.data.max_length,
+                       system_prompt=cfg.tokenize.system_prompt)
     write_report(run)
     return run.load_manifest()
 

@@ -124,25 +124,27 @@ class TokenizeUDF:
 
     REQUIRED_COLUMNS = ("id", "prompt", "response")
 
-    def __init__(self, tokenizer_dir: str, max_length: int, stage: str = "tokenize"):
+    def __init__(self, tokenizer_dir: str, max_length: int, stage: str = "tokenize", system_prompt: str = "default"):
         from raycurate.models.loading import load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.max_length = max_length
+        self.system_prompt = system_prompt
         self.stage = stage
 
     def __call__(self, batch: Any) -> Any:
         require_columns(self.stage, batch, self.REQUIRED_COLUMNS)
-        return tokenize_arrow_batch(self.tokenizer, batch, self.max_length)
+        return tokenize_arrow_batch(self.tokenizer, batch, self.max_length, self.system_prompt)
 
 
-def tokenize_arrow_batch(tokenizer: Any, batch: Any, max_length: int) -> Any:
+def tokenize_arrow_batch(tokenizer: Any, batch: Any, max_length: int, system_prompt: str = "default") -> Any:
     """Append token columns (and ``reject_reason``/``reject_detail``) to a pyarrow batch of records.
 
     Args:
         tokenizer: A Hugging Face tokenizer.
         batch: ``pyarrow.Table`` of validated records.
         max_length: Longest allowed sequence in tokens.
+        system_prompt: ``tokenize.system_prompt`` (:func:`raycurate.data.tokenize.tokenize_batch`).
 
     Returns:
         The same table with the token-level columns of the data contract appended; schema fixed so every batch
@@ -153,7 +155,7 @@ def tokenize_arrow_batch(tokenizer: Any, batch: Any, max_length: int) -> Any:
     from raycurate.data.tokenize import tokenize_batch
 
     rows = batch.to_pylist()
-    token_rows, rejected = tokenize_batch(tokenizer, rows, max_length)
+    token_rows, rejected = tokenize_batch(tokenizer, rows, max_length, system_prompt=system_prompt)
     by_id = {r["id"]: r for r in token_rows}
     reasons = {r["id"]: r for r in rejected}
     columns: dict[str, list] = {name: [] for name in TOKEN_COLUMNS}
@@ -219,6 +221,8 @@ def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, ma
     """Tokenize accepted rows into ``tokenize/tokens`` (+ ``rejected.jsonl``).
 
     Args:
+        pool_cfg: The ``tokenize`` section: actor pool, and ``system_prompt`` when it has one
+            (:class:`raycurate.config.data.TokenizeConfig`; a plain pool config means ``"default"``).
         in_process: Tokenize in the driver instead of on a Ray Data actor pool; None = when the accepted table
             has at most :data:`TOKENIZE_IN_PROCESS_ROWS` rows.  Both paths write the same rows in the same order.
     """
@@ -226,9 +230,11 @@ def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, ma
 
     accepted = output_path(run, accepted_stage, "accepted")
     tokenizer_dir = output_path(run, tokenizer_stage, "model")
+    system_prompt = getattr(pool_cfg, "system_prompt", "default")
 
     def body(out: Path) -> StageOutput:
-        udf_kwargs = {"tokenizer_dir": str(tokenizer_dir), "max_length": max_length, "stage": "tokenize"}
+        udf_kwargs = {"tokenizer_dir": str(tokenizer_dir), "max_length": max_length, "stage": "tokenize",
+                      "system_prompt": system_prompt}
         files = list_input_files(accepted)
         local = sum(f.rows for f in files) <= TOKENIZE_IN_PROCESS_ROWS if in_process is None else in_process
         if local:
@@ -246,7 +252,9 @@ def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, ma
         return StageOutput(outputs={"tokens": "tokens", "rejected": "rejected.jsonl"},
                            metrics={**counts, "in_process": local})
 
-    config = {"max_length": max_length}
+    config: dict[str, Any] = {"max_length": max_length}
+    if system_prompt != "default":  # keyed only when set, so runs from before the option keep their hashes
+        config["system_prompt"] = system_prompt
     record = run_stage(run, "tokenize", body, config=config, upstream=[accepted_stage, tokenizer_stage], force=force)
     check_rows_accepted(run, record, "tokenize")
     return record

@@ -97,7 +97,8 @@ class EvaluateUDF:
     REQUIRED_COLUMNS = ("id", "prompt", "response", "label")
 
     def __init__(self, model_dir: str, max_length: int, max_new_tokens: int, batch_size: int, threads: int,
-                 samples: int = 0, temperature: float = 1.0, seed: int = 0, stage: str = "evaluate"):
+                 samples: int = 0, temperature: float = 1.0, seed: int = 0, stage: str = "evaluate",
+                 system_prompt: str = "default"):
         import torch
 
         from raycurate.models.loading import best_device, load_model, load_tokenizer
@@ -109,6 +110,7 @@ class EvaluateUDF:
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.sampling = {"samples": samples, "temperature": temperature, "seed": seed}
+        self.system_prompt = system_prompt
         self.stage = stage
 
     def __call__(self, batch: Any) -> Any:
@@ -116,7 +118,8 @@ class EvaluateUDF:
 
         require_columns(self.stage, batch, self.REQUIRED_COLUMNS)
         rows = evaluate_rows(self.model, self.tokenizer, batch.to_pylist(), max_length=self.max_length,
-                             max_new_tokens=self.max_new_tokens, batch_size=self.batch_size, **self.sampling)
+                             max_new_tokens=self.max_new_tokens, batch_size=self.batch_size,
+                             system_prompt=self.system_prompt, **self.sampling)
         return pa.Table.from_pylist(rows)
 
 
@@ -161,7 +164,8 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
 
 
 def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: int, max_new_tokens: int,
-                  batch_size: int, samples: int = 0, temperature: float = 1.0, seed: int = 0) -> list[dict]:
+                  batch_size: int, samples: int = 0, temperature: float = 1.0, seed: int = 0,
+                  system_prompt: str = "default") -> list[dict]:
     """Score held-out rows: greedy and sampled generation -> final answer exact match, plus gold-response loss.
 
     Greedy decoding shows the model's single most likely answer, which a minority of bad training rows rarely
@@ -178,6 +182,7 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
         samples: Sampled answers per row (0: greedy only).
         temperature: Sampling temperature.
         seed: Sampling seed; each row's samples depend only on (seed, row id), not on batching.
+        system_prompt: ``tokenize.system_prompt``: the prompts are rendered as the training rows were.
 
     Returns:
         One dict per row: id, generated text, predicted and gold answers, ``correct``, ``gold_loss``, and with
@@ -192,7 +197,7 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
     from raycurate.data.tokenize import is_rejection, tokenize_record
     from raycurate.models.generation import generate_greedy
 
-    token_rows = [tokenize_record(tokenizer, row, max_length) for row in rows]
+    token_rows = [tokenize_record(tokenizer, row, max_length, system_prompt=system_prompt) for row in rows]
     too_long = [t["id"] for t in token_rows if is_rejection(t)]
     if too_long:
         raise ValueError(f"held-out rows {too_long[:5]} exceed data.max_length={max_length} tokens; raise "
@@ -253,8 +258,11 @@ def sampled_answer_scores(model: Any, tokenizer: Any, rows: list[dict], prompts:
 
 
 def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: str, eval_cfg: Any,
-                   max_length: int, force: bool = False) -> dict:
-    """Evaluate a checkpoint on the held-out set on ``eval.pool`` Ray tasks; writes ``predictions.parquet``."""
+                   max_length: int, system_prompt: str = "default", force: bool = False) -> dict:
+    """Evaluate a checkpoint on the held-out set on ``eval.pool`` Ray tasks; writes ``predictions.parquet``.
+
+    ``system_prompt`` is ``tokenize.system_prompt``, so held-out prompts are rendered like the training rows.
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -270,7 +278,7 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
             {"model_dir": str(model_dir), "max_length": max_length, "max_new_tokens": eval_cfg.max_new_tokens,
              "batch_size": eval_cfg.batch_size, "threads": max(1, int(round(pool.num_cpus))),
              "samples": eval_cfg.samples, "temperature": eval_cfg.temperature, "seed": eval_cfg.seed,
-             "stage": stage},
+             "stage": stage, "system_prompt": system_prompt},
             pool, progress=progress_bars_enabled(),
         )
         result = pa.Table.from_pylist(predictions).sort_by("id")
@@ -280,13 +288,17 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
                                           for k, v in metrics.items()))
         return StageOutput(outputs={"predictions": "predictions.parquet"}, metrics=metrics)
 
-    return run_stage(run, stage, body, config=heldout_eval_config(eval_cfg, max_length),
+    return run_stage(run, stage, body, config=heldout_eval_config(eval_cfg, max_length, system_prompt),
                      upstream=[model_stage, heldout_stage], force=force)
 
 
-def heldout_eval_config(eval_cfg: Any, max_length: int) -> dict:
+def heldout_eval_config(eval_cfg: Any, max_length: int, system_prompt: str = "default") -> dict:
     """What the held-out predictions depend on: every ``eval`` setting except the ``lm_eval_*`` ones, so changing
-    those re-runs only the ``lm_eval_*`` stages, while a setting added later is keyed by default."""
+    those re-runs only the ``lm_eval_*`` stages, while a setting added later is keyed by default; and the system
+    prompt when it is not ``"default"`` (so runs from before the option keep their stage hashes)."""
     settings = {f.name: getattr(eval_cfg, f.name) for f in dataclasses.fields(eval_cfg)
                 if not f.name.startswith("lm_eval_")}
-    return {"eval": settings, "max_length": max_length}
+    config = {"eval": settings, "max_length": max_length}
+    if system_prompt != "default":
+        config["system_prompt"] = system_prompt
+    return config
