@@ -37,7 +37,9 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -82,6 +84,7 @@ class Result:
     adapter: dict | None = None
     config_hash: str = ""
     root: str = ""
+    _workspace: Any = dataclasses.field(default=None, repr=False, compare=False)  # keeps a temp workspace alive
 
     def _record(self, stage: str) -> dict:
         manifest = json.loads((Path(self.root) / "manifest.json").read_text())
@@ -214,13 +217,54 @@ def job_config(call: str, pipeline: str, *, base: Any = None, defaults: dict | N
     return from_dict(JobConfig, data, source=f"raycurate.{call}()")
 
 
+_PATH_TYPES = (str, os.PathLike)
+
+
+def check_keyword_types(call: str, **values: tuple[Any, type | tuple[type, ...]]) -> None:
+    """Check the types of a call's keywords that are not config keys (``online``, ``name``, ``workdir``, ...).
+
+    Args:
+        call: The call's name (named in the error).
+        **values: keyword -> ``(value, allowed type(s))``; None is always allowed.
+
+    Raises:
+        ConfigError: Every keyword of the wrong type, in one message, before anything runs.
+    """
+    from raycurate.config.loader import ConfigError
+
+    problems = []
+    for key, (value, allowed) in values.items():
+        allowed = allowed if isinstance(allowed, tuple) else (allowed,)
+        if value is None or (isinstance(value, allowed) and (bool not in allowed or isinstance(value, bool))):
+            continue
+        names = " or ".join("path" if t is os.PathLike else t.__name__ for t in allowed)
+        problems.append(f"{key} must be a {names}, got {type(value).__name__} {value!r:.60}")
+    if problems:
+        raise ConfigError(f"raycurate.{call}()", problems)
+
+
 # --------------------------------------------------------------------------------------------- workspaces
 
 
-def _new_workdir() -> str:
-    path = tempfile.mkdtemp(prefix="raycurate-")
-    log.info("workspace: %s", path)
-    return path
+class _TempWorkspace:
+    """A workspace folder the API made in ``$TMPDIR`` because the call was given no ``workdir=``.
+
+    Removal policy: the folder is deleted when the last :class:`Result` made in it is garbage-collected (each
+    result holds this object), or when the interpreter exits, whichever comes first (``weakref.finalize``).
+    Pass ``workdir=`` to keep a workspace: the API never deletes a folder it did not create.
+    """
+
+    def __init__(self) -> None:
+        self.path = tempfile.mkdtemp(prefix="raycurate-")
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
+        _TEMP_WORKSPACES[os.path.realpath(self.path)] = self
+        log.info("workspace: %s (temporary: removed when its last result is gone)", self.path)
+
+    def __reduce__(self) -> tuple:
+        return (str, (self.path,))  # a pickled copy (e.g. a Result sent to a Ray task) does not own the folder
+
+
+_TEMP_WORKSPACES: weakref.WeakValueDictionary[str, _TempWorkspace] = weakref.WeakValueDictionary()
 
 
 def _with_workdir(cfg: Any, workdir: str) -> Any:
@@ -250,18 +294,22 @@ def _is_paths(source: Any) -> bool:
                                                                        for s in source)
 
 
-def _source_inputs(source: Any, cfg: Any) -> list[str]:
-    """Input paths for ``source``: paths as given, in-memory rows written into the workspace's ``inputs/``."""
+def _source_inputs(source: Any, cfg: Any, stack: contextlib.ExitStack) -> list[str]:
+    """Input paths for ``source``: paths as given, in-memory rows written into the workspace's ``inputs/``.
+
+    The rows are checked before the workspace is created (an empty list or table creates nothing), and the
+    workspace's writer lock taken here stays held (released by ``stack``) until the call has run on them, so a
+    second caller never sees another call's half-replaced ``inputs/``.
+    """
     if _is_paths(source):
         return [str(source)] if isinstance(source, (str, os.PathLike)) else [str(s) for s in source]
     from raycurate.rundir import open_run_dir, release_lock
-    from raycurate.stages.tables import write_source
+    from raycurate.stages.tables import check_source, write_source
 
+    check_source(source)
     run = open_run_dir(cfg.run.runs_dir, cfg.run.name, cfg.run.local_dir)
-    try:
-        return [write_source(source, run.root / "inputs")]
-    finally:
-        release_lock(run.root)
+    stack.callback(release_lock, run.root)
+    return [write_source(source, run.root / "inputs")]
 
 
 @dataclasses.dataclass
@@ -295,6 +343,7 @@ def _prepared(call: str, pipeline: str, data: Any, *, model: str | None, workdir
     """
     from raycurate.pipelines.common import prepare_data
 
+    check_keyword_types(call, model=(model, str), workdir=(workdir, _PATH_TYPES), config=(config, dict))
     keys = {"model.name_or_path": model, **(keys or {})}
     if isinstance(data, Result):
         _check_chained(call, data, model, config, sections)
@@ -314,14 +363,17 @@ def _prepared(call: str, pipeline: str, data: Any, *, model: str | None, workdir
             raise UserError(f"raycurate.{call}(): a {data.stage} result continues in its own workspace "
                             f"({data.workdir}); leave workdir unset, or pass the rows")
         cfg = _with_workdir(cfg, str(workdir))  # same preparation config and inputs, in another workspace
-    else:
-        cfg = job_config(call, pipeline, defaults=defaults, config=config, sections=sections, keys=keys)
-        cfg = _with_workdir(cfg, str(workdir) if workdir is not None else _new_workdir())
-        inputs = _source_inputs(data, cfg)
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, input=inputs))
-    with _opened(cfg) as run:
-        prepare_data(run, cfg)
-        yield _Prepared(run, cfg, "tokenize")
+    with contextlib.ExitStack() as stack:
+        temp = None
+        if not isinstance(data, Result):
+            cfg = job_config(call, pipeline, defaults=defaults, config=config, sections=sections, keys=keys)
+            temp = _TempWorkspace() if workdir is None else None  # referenced by the results made in it
+            cfg = _with_workdir(cfg, str(workdir) if temp is None else temp.path)
+            inputs = _source_inputs(data, cfg, stack)
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, input=inputs))
+        with _opened(cfg) as run:
+            prepare_data(run, cfg)
+            yield _Prepared(run, cfg, "tokenize")
 
 
 def _result(prep: _Prepared, stage: str, output: str, **fields: Any) -> Result:
@@ -330,7 +382,8 @@ def _result(prep: _Prepared, stage: str, output: str, **fields: Any) -> Result:
     location = prep.cfg.run.runs_dir.rstrip("/") + "/" + prep.cfg.run.name
     return Result(workdir=location if "://" in location else str(prep.run.root), stage=stage, output=output,
                   metrics=dict(record.get("metrics") or {}) if metrics is None else metrics, config=prep.cfg,
-                  config_hash=record.get("config_hash", ""), root=str(prep.run.root), **fields)
+                  config_hash=record.get("config_hash", ""), root=str(prep.run.root),
+                  _workspace=_TEMP_WORKSPACES.get(os.path.realpath(prep.run.root)), **fields)
 
 
 def _require_tokenize(call: str, prep: _Prepared) -> None:
@@ -527,6 +580,7 @@ def bds_weights(data: Any, *, model: str | None = None, online: bool = False, wo
     from raycurate.pipelines.bilevel import bilevel_train_config, split_rows, train_method
     from raycurate.stages.bilevel import weight_analysis
 
+    check_keyword_types("bds_weights", online=(online, bool))
     method = "online" if online else "bds"
     with _prepared("bds_weights", "bilevel", data, model=model, workdir=workdir, config=config, sections=sections,
                    keys={"bilevel.methods": [method]}) as prep:
@@ -567,6 +621,7 @@ def train(data: Any, *, model: str | None = None, epochs: int | None = None, lr:
     """
     from raycurate.stages.model_stages import train_stage
 
+    check_keyword_types("train", name=(name, str), adapter=(None if adapter is _AUTO else adapter, dict))
     keys = {"train.epochs": epochs, "train.lr": lr}
     with _prepared("train", "sft", data, model=model, workdir=workdir, config=config, sections=sections,
                    keys=keys) as prep:
@@ -606,13 +661,16 @@ def evaluate(model: Any, heldout: Any, *, name: str | None = None, workdir: str 
     from raycurate.stages.tables import external_model_stage, heldout_stage, source_rows
 
     chained = isinstance(model, Result)
+    check_keyword_types("evaluate", model=(model, (Result, *_PATH_TYPES)), name=(name, str),
+                        workdir=(workdir, _PATH_TYPES), config=(config, dict))
     if chained and model.model_dir is None:
         raise UserError(f"raycurate.evaluate(): {model.stage} holds no model; pass a train() result or a "
                         "checkpoint folder")
     base = model.config if chained else None
     cfg = job_config("evaluate", "sft", base=base, config=config, sections=sections)
+    temp = _TempWorkspace() if workdir is None and not chained else None  # referenced by the result
     if workdir is None:
-        workdir = model.workdir if chained else _new_workdir()
+        workdir = model.workdir if chained else temp.path
     cfg = _with_workdir(cfg, str(workdir))
     rows = source_rows(heldout)
     with _opened(cfg) as run:

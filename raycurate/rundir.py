@@ -13,10 +13,11 @@ opened on a fresh machine downloads the manifest and every finished stage first,
 downloaded: no stage name may start with ``_`` or ``.`` or be a run-root file (:data:`RESERVED`).
 
 One writer at a time: :func:`open_run_dir` takes an exclusive ``flock`` on ``<root>/.lock`` (the local mirror's,
-for a remote run) and refuses a second process with a :class:`RunDirError` naming the holder's pid and host.  The
-lock dies with its process, so a killed run never blocks the next one, and the next opener removes the temp
-folders (``.<stage>.*.tmp``) a killed run left behind.  Stage names are allow-listed and every path a manifest
-names must stay under the run root, so a tampered (remote) manifest cannot reach outside the run.
+for a remote run) and refuses a second process (or a second thread) with a :class:`RunDirError` naming the
+holder's pid and host.  The lock dies with its process, so a killed run never blocks the next one, and the next
+opener removes the temp folders (``.<stage>.*.tmp``) a killed run left behind.  Stage names are allow-listed and
+every path a manifest names must stay under the run root, so a tampered (remote) manifest cannot reach outside
+the run.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -50,7 +52,7 @@ LOCK = ".lock"
 STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # no leading '_' / '.': those names are internal
 RESERVED = frozenset({MANIFEST, CONFIG, SCRATCH, LOCK, "report.html"})  # run-root entries that are never stages
 _TEMP_NAME = re.compile(r"^\.[^/]+\.(tmp|old-[0-9-]+|[0-9]+\.download)$")
-_HELD: dict[Path, Any] = {}  # run root -> open lock file of this process
+_HELD: dict[Path, tuple[Any, int]] = {}  # run root -> (open lock file, id of the thread holding it)
 
 
 class RunDirError(UserError):
@@ -69,6 +71,39 @@ def check_stage_name(stage: str) -> str:
                           "a letter or digit, not an internal name such as _scratch); a manifest naming it was "
                           "written by something other than raycurate: check where it came from")
     return stage
+
+
+def parse_manifest(data: str | bytes, where: str) -> dict:
+    """A manifest's text parsed and checked for the shape raycurate writes, else one clear RunDirError.
+
+    Shape: a JSON object whose ``stages`` (default empty) maps stage names to objects (their ``outputs`` and
+    ``metrics``, when present, objects too) and whose ``rows``, when present, is an object.
+
+    Args:
+        data: The file's contents.
+        where: The file's path or URI (named in the error).
+    """
+    fix = "it was edited, truncated or written by something else: restore it, or start a new run directory"
+    try:
+        manifest = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RunDirError(f"{where} is not valid JSON ({exc}); {fix}") from None
+    problem = None
+    if not isinstance(manifest, dict):
+        problem = f"is a JSON {type(manifest).__name__}, not an object"
+    elif not isinstance(manifest.setdefault("stages", {}), dict):
+        problem = f"has 'stages' as a {type(manifest['stages']).__name__}, not an object"
+    elif not isinstance(manifest.get("rows", {}), dict):
+        problem = f"has 'rows' as a {type(manifest['rows']).__name__}, not an object"
+    else:
+        for name, record in manifest["stages"].items():
+            if not isinstance(record, dict) or not all(isinstance(record.get(k, {}), dict)
+                                                       for k in ("outputs", "metrics")):
+                problem = f"has a malformed record for stage {name!r}"
+                break
+    if problem is not None:
+        raise RunDirError(f"{where} {problem}; {fix}")
+    return manifest
 
 
 def inside(root: Path, path: str | Path) -> Path:
@@ -93,12 +128,16 @@ def _holder(lock_file: Path) -> str:
 
 
 def acquire_lock(root: Path) -> None:
-    """Take the exclusive writer lock of ``root`` for this process (re-entrant within the process).
+    """Take the exclusive writer lock of ``root`` for this thread (re-entrant within the thread).
+
+    The ``flock`` is taken on a file opened by this call, so a second thread of the same process (two API calls
+    on one workspace from a thread pool) is refused like a second process.
 
     Raises:
-        RunDirError: Another process holds it; the message names its pid and host.
+        RunDirError: Another process or thread holds it; the message names its pid and host.
     """
-    if root in _HELD:
+    held = _HELD.get(root)
+    if held is not None and held[1] == threading.get_ident():
         return
     lock_file = root / LOCK
     fh = open(lock_file, "a+", encoding="utf-8")
@@ -107,34 +146,39 @@ def acquire_lock(root: Path) -> None:
     except OSError as exc:
         fh.close()
         if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise RunDirError(f"run directory {root} is in use by {_holder(lock_file)}; wait for it to finish, or "
-                              "give this run another name (run.name / --out)") from None
+            holder = "another thread of this process" if held is not None else _holder(lock_file)
+            raise RunDirError(f"run directory {root} is in use by {holder}; wait for it to finish, or "
+                              "give this run another name (run.name / --out / workdir=)") from None
         raise
     fh.seek(0)
     fh.truncate()
     fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                          "since": time.strftime("%Y-%m-%dT%H:%M:%S")}))
     fh.flush()
-    _HELD[root] = fh
+    _HELD[root] = (fh, threading.get_ident())
 
 
 def release_lock(root: str | Path) -> None:
-    """Release this process's writer lock of one run directory (a no-op when it holds none); the Python API
+    """Release this thread's writer lock of one run directory (a no-op when it holds none); the Python API
     calls it when a call ends, so a notebook does not keep its workspaces locked."""
-    fh = _HELD.pop(Path(root).resolve(), None)
-    if fh is not None:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-        fh.close()
+    root = Path(root).resolve()
+    held = _HELD.get(root)
+    if held is not None and held[1] == threading.get_ident():
+        del _HELD[root]
+        _unlock(held[0])
+
+
+def _unlock(fh: Any) -> None:
+    with contextlib.suppress(OSError):
+        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+    fh.close()
 
 
 def release_locks() -> None:
     """Release every run-directory lock this process holds (the CLI calls it when a command ends)."""
-    for root, fh in list(_HELD.items()):
-        with contextlib.suppress(OSError):
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-        fh.close()
-        del _HELD[root]
+    for root, (fh, _) in list(_HELD.items()):
+        _unlock(fh)
+        _HELD.pop(root, None)
 
 
 def remove_stale_temps(root: Path) -> list[str]:
@@ -287,11 +331,7 @@ class RunDir:
     def load_manifest(self) -> dict:
         """The manifest, or an empty skeleton for a new run."""
         if self.manifest_path.exists():
-            try:
-                return json.loads(self.manifest_path.read_text())
-            except ValueError as exc:
-                raise RunDirError(f"{self.manifest_path} is not valid JSON ({exc}); it was edited or truncated: "
-                                  "restore it, or start a new run directory") from None
+            return parse_manifest(self.manifest_path.read_bytes(), str(self.manifest_path))
         skeleton: dict[str, Any] = {"run": self.root.name, "rows": {}, "stages": {}}
         if self.remote is not None:
             skeleton["storage"] = self.remote.display

@@ -189,10 +189,15 @@ def list_files(loc: Location) -> list[str]:
     return sorted(i.path[len(loc.path) + 1:] for i in infos if i.type == pafs.FileType.File)
 
 
+def read_bytes(loc: Location) -> bytes:
+    """The contents of the file at ``loc``."""
+    with _errors("read", loc), loc.fs.open_input_stream(loc.path) as fh:
+        return fh.read()
+
+
 def read_text(loc: Location) -> str:
     """The text of the file at ``loc``."""
-    with _errors("read", loc), loc.fs.open_input_stream(loc.path) as fh:
-        return fh.read().decode("utf-8")
+    return read_bytes(loc).decode("utf-8")
 
 
 def _local() -> pafs.LocalFileSystem:

@@ -235,6 +235,19 @@ CASES = [
          code=0, rows=(3, 1, 2), reasons={"wrong_type": 2}, kind="rejected"),
     Case("invalid_utf8_line", ingest("{in}/a.jsonl"), _files(**{"a.jsonl": _lines([b'{"prompt": "\xff"}', _row(1)])}),
          code=0, rows=(2, 1, 1), reasons={"non_utf8": 1}, kind="rejected"),
+    Case("lone_surrogate_escape_in_jsonl", ingest("{in}/a.jsonl"),
+         _files(**{"a.jsonl": _lines([b'{"prompt": "a \\udcff", "response": "r"}', _row(1),
+                                      b'{"prompt": "p", "response": "r", "meta": {"\\ud800": 1}}'])}),
+         code=0, rows=(3, 1, 2), reasons={"non_utf8": 2}, kind="rejected"),
+    Case("inspect_truncated_manifest", ("inspect", "{in}"), _files(**{"manifest.json": '{"run": "r", "sta'}),
+         says=("manifest.json is not valid JSON", "truncated")),
+    Case("report_truncated_manifest", ("report", "{in}"), _files(**{"manifest.json": '{"run": "r", "sta'}),
+         says=("manifest.json is not valid JSON", "truncated")),
+    Case("inspect_manifest_is_a_list", ("inspect", "{in}"), _files(**{"manifest.json": "[]"}),
+         says=("manifest.json is a JSON list, not an object",)),
+    Case("inspect_manifest_stages_is_a_list", ("inspect", "{in}"), _files(**{"manifest.json": '{"stages": []}'}),
+         says=("'stages' as a list",)),
+    Case("inspect_not_a_run", ("inspect", "{in}"), says=("inspect:", "no manifest.json")),
     Case("duplicate_ids_and_unknown_domain", ingest("{in}/a.jsonl"),
          _files(**{"a.jsonl": _lines([_row(1), _row(1), _row(2, domain="poetry")])}),
          code=0, rows=(3, 1, 2), reasons={"duplicate_id": 1, "unknown_domain": 1}, kind="rejected"),
@@ -445,6 +458,49 @@ def test_real_stage_names_are_still_allowed(tmp_path):
     assert RunDir(tmp_path / "run").stage_dir("train_bds") == (tmp_path / "run" / "train_bds").resolve()
 
 
+@pytest.mark.parametrize("text", ["[]", '{"stages": []}', '{"rows": [], "stages": {}}', '{"run": "r", "st'])
+def test_ingest_into_a_run_with_a_broken_manifest_is_a_clear_error(text, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.jsonl").write_bytes(GOOD)
+    (tmp_path / OUT).mkdir(parents=True)
+    (tmp_path / OUT / "manifest.json").write_text(text)
+    assert main(["ingest", "--input", "a.jsonl", "--out", OUT]) == 2
+    err = capsys.readouterr().err
+    (message,) = [x for x in err.splitlines() if x.startswith("raycurate:")]
+    assert "manifest.json" in message and "start a new run directory" in message and "Traceback" not in err
+
+
+def test_a_second_thread_is_refused_like_a_second_process(tmp_path):
+    import threading
+
+    from raycurate.rundir import RunDirError, acquire_lock, release_lock, release_locks
+
+    root = tmp_path.resolve()
+    acquire_lock(root)
+    acquire_lock(root)  # re-entrant in the holding thread
+    seen: list[BaseException | None] = []
+
+    def other() -> None:
+        try:
+            acquire_lock(root)
+            seen.append(None)
+        except RunDirError as exc:
+            seen.append(exc)
+
+    try:
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+        assert isinstance(seen[0], RunDirError) and "in use by another thread of this process" in str(seen[0])
+    finally:
+        release_lock(root)
+    worker = threading.Thread(target=other)
+    worker.start()
+    worker.join()
+    assert seen[1] is None  # free again once the holder released it
+    release_locks()
+
+
 def test_output_paths_in_a_manifest_must_stay_under_the_run(tmp_path):
     from raycurate.rundir import RunDir, RunDirError
     from raycurate.stages.base import output_path
@@ -491,6 +547,138 @@ def test_saved_config_redacts_the_runs_dir():
     cfg.run.runs_dir = "s3://KEY:SECRET@bucket/runs?endpoint_override=h:1"
     assert saved_config(cfg).run.runs_dir == "s3://bucket/runs"
     assert cfg.run.runs_dir.startswith("s3://KEY:SECRET@")  # the live config keeps what pyarrow needs
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The Python API's row inputs (no Ray: the conversion and the ingest stage's reader / validator)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _ingest_folder(folder: str, out: Path) -> dict:
+    from raycurate.data.ingest import ingest as ingest_rows
+
+    result = ingest_rows(folder, str(out), strict=False, split_seed=0, split_ratios={"train": 1.0}, progress=False)
+    return {**result.rows, "reasons": result.rejected_by_reason}
+
+
+def test_api_rows_with_a_lone_surrogate_reject_that_row(tmp_path):
+    from raycurate.stages.tables import write_source
+
+    folder = write_source([{"prompt": "\udcff", "response": "r"}, {"prompt": "p", "response": "r"}], tmp_path / "in")
+    assert _ingest_folder(folder, tmp_path / "out") == {"input": 2, "accepted": 1, "rejected": 1,
+                                                         "reasons": {"non_utf8": 1}}
+
+
+@pytest.mark.parametrize("value", [b"\xff", bytearray(b"x"), {1, 2}, object()])
+def test_api_rows_with_bytes_or_objects_are_a_clear_error_naming_the_row(value, tmp_path):
+    from raycurate.errors import InputError
+    from raycurate.stages.tables import write_source
+
+    rows = [{"prompt": "p", "response": "r"}, {"prompt": value, "response": "r"}]
+    with pytest.raises(InputError, match="row 1 of the rows given: "):
+        write_source(rows, tmp_path / "in")
+
+
+def test_api_bytes_value_fails_before_ray_and_names_the_row(tmp_path):
+    import raycurate
+    from raycurate.errors import InputError
+
+    with pytest.raises(InputError, match="row 0 of the rows given: bytes are not text"):
+        raycurate.ingest([{"prompt": b"\xff", "response": "r"}], workdir=tmp_path / "w")
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_api_accepts_a_pandas_dataframe(tmp_path):
+    pd = pytest.importorskip("pandas")
+    from raycurate.stages.tables import in_memory_kind, write_source
+
+    frame = pd.DataFrame([_row(1), _row(2), {"prompt": "q", "response": None}])
+    assert in_memory_kind(frame) == "pandas"
+    folder = write_source(frame, tmp_path / "in")
+    assert _ingest_folder(folder, tmp_path / "out") == {"input": 3, "accepted": 2, "rejected": 1,
+                                                         "reasons": {"missing_field": 1}}
+
+
+@pytest.mark.parametrize("source", [[], ()], ids=["empty_list", "empty_tuple"])
+def test_api_empty_rows_create_no_workspace(source, tmp_path):
+    import raycurate
+    from raycurate.errors import InputError
+
+    with pytest.raises(InputError, match="cannot read an empty"):
+        raycurate.ingest(source, workdir=tmp_path / "w")
+    assert not (tmp_path / "w").exists()
+
+
+def test_api_empty_table_creates_no_workspace(tmp_path):
+    import pyarrow as pa
+
+    import raycurate
+    from raycurate.errors import InputError
+
+    with pytest.raises(InputError, match="holds no rows"):
+        raycurate.ingest(pa.table({"prompt": pa.array([], pa.string())}), workdir=tmp_path / "w")
+    assert not (tmp_path / "w").exists()
+
+
+def test_api_holds_the_workspace_lock_from_writing_inputs_until_the_call_ends(tmp_path):
+    import contextlib
+    import threading
+
+    from raycurate.api import _source_inputs, _with_workdir, job_config
+    from raycurate.rundir import RunDirError, acquire_lock, release_lock
+
+    cfg = _with_workdir(job_config("ingest", "sft"), str(tmp_path / "w"))
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            acquire_lock((tmp_path / "w").resolve())
+            release_lock((tmp_path / "w").resolve())
+        except RunDirError as exc:
+            errors.append(exc)
+
+    with contextlib.ExitStack() as stack:
+        (folder,) = _source_inputs([_row(1)], cfg, stack)
+        assert Path(folder).is_dir()
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+        assert len(errors) == 1 and "in use" in str(errors[0])
+    worker = threading.Thread(target=other)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1  # released when the call's stack closes
+
+
+def test_api_temporary_workspace_is_removed_with_its_last_result():
+    import gc
+    import pickle
+
+    from raycurate.api import Result, _TempWorkspace
+
+    workspace = _TempWorkspace()
+    path = Path(workspace.path)
+    first = Result(workdir=str(path), stage="s", output="o", metrics={}, config=None, _workspace=workspace)
+    second = Result(workdir=str(path), stage="t", output="o", metrics={}, config=None, _workspace=workspace)
+    assert pickle.loads(pickle.dumps(first))._workspace == str(path)  # a copy does not own the folder
+    del workspace, first
+    gc.collect()
+    assert path.is_dir()
+    del second
+    gc.collect()
+    assert not path.exists()
+
+
+def test_api_keyword_types_are_checked_before_anything_runs(tmp_path):
+    import raycurate
+    from raycurate.config.loader import ConfigError
+
+    with pytest.raises(ConfigError,
+                       match=r"raycurate\.bds_weights\(\) has 1 problem: online must be a bool, got str 'yes'"):
+        raycurate.bds_weights([_row(1)], online="yes", workdir=tmp_path / "w")
+    with pytest.raises(ConfigError, match=r"raycurate\.train\(\) has 1 problem: name must be a str"):
+        raycurate.train([_row(1)], name=3, workdir=tmp_path / "w")
+    assert not (tmp_path / "w").exists()
 
 
 # ------------------------------------------------------------------------------------------------------------

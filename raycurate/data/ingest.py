@@ -257,7 +257,8 @@ class _Ingest:
         self.writer = _ShardWriter(out_dir, shard_rows)
         self.rejected_path = os.path.join(out_dir, REJECTED_NAME)
         self.rejected_temp = os.path.join(out_dir, f".{REJECTED_NAME}.tmp-{os.getpid()}")
-        self.rejected_fh = open(self.rejected_temp, "w", encoding="utf-8")
+        # backslashreplace: a rejected row's raw text may hold a lone surrogate (the reason it was rejected)
+        self.rejected_fh = open(self.rejected_temp, "w", encoding="utf-8", errors="backslashreplace")
 
     def reject(self, raw: RawRow, reason: str, field_name: str | None, detail: str) -> None:
         if self.strict:

@@ -2,9 +2,10 @@
 
 Decisions:
 
-* Checks run in a fixed order and the first failure is reported: ``id`` type, ``messages`` shape, ``prompt``,
-  ``response``, ``domain``, then duplicates.  A rejected row never claims its id, so the first *accepted*
-  occurrence of an id wins.
+* Checks run in a fixed order and the first failure is reported: text that is not valid Unicode (a lone
+  surrogate from a JSON escape such as ``"\\udcff"``, in any field or key: ``non_utf8``), ``id`` type,
+  ``messages`` shape, ``prompt``, ``response``, ``domain``, then duplicates.  A rejected row never claims its
+  id, so the first *accepted* occurrence of an id wins.
 * ``id`` may be a string or an integer (stored as its decimal string).  Absent/``None`` ids are generated from a
   content hash, ``"h" + blake2b(prompt \\0 response)[:16 hex]``, so they are stable across runs and exact
   duplicates without ids are rejected as ``duplicate_id``.
@@ -26,6 +27,7 @@ from raycurate.data.schema import (
     DUPLICATE_ID,
     EMPTY_FIELD,
     MISSING_FIELD,
+    NON_UTF8,
     UNKNOWN_DOMAIN,
     WRONG_TYPE,
 )
@@ -68,6 +70,40 @@ def _check_id(record: dict[str, Any]) -> str | None:
     if not text.strip():
         raise _Reject(EMPTY_FIELD, "id", "empty string (drop the field to get a content-hash id)")
     return text
+
+
+def _unencodable(value: Any, depth: int = 0) -> str | None:
+    """The first string in ``value`` (keys included, nested up to 64 levels) that is not valid Unicode text (a
+    lone surrogate such as ``"\\udcff"``, which JSON escapes can spell but UTF-8 cannot store), else None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"lone surrogate {value[exc.start]!r} at character {exc.start}"
+        return None
+    if depth > 64:
+        return None
+    if isinstance(value, dict):
+        items = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        return None
+    for item in items:
+        found = _unencodable(item, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _check_unicode(record: dict[str, Any]) -> None:
+    for key, value in record.items():
+        found = _unencodable(key) or _unencodable(value)
+        if found is not None:
+            field = key if _unencodable(key) is None else None
+            raise _Reject(NON_UTF8, field, f"{found} is not valid Unicode text; fix or drop it at the source")
 
 
 def _check_messages(record: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -142,6 +178,7 @@ def check_record(
         ``domain`` (str or ``None``) first, then every other input field unchanged (``messages`` included).
     """
     try:
+        _check_unicode(record)
         example_id = _check_id(record)
         messages = _check_messages(record)
         prompt = _check_text(record, "prompt", messages)

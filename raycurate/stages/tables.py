@@ -41,7 +41,8 @@ def _is_hf_dataset(obj: Any) -> bool:
 
 
 def _is_pandas(obj: Any) -> bool:
-    return type(obj).__module__.startswith("pandas.") and hasattr(obj, "to_parquet")
+    # pandas 3 reports DataFrame.__module__ as "pandas", pandas 2 as "pandas.core.frame"
+    return type(obj).__module__.split(".")[0] == "pandas" and hasattr(obj, "to_parquet")
 
 
 def _json_default(value: Any) -> Any:
@@ -49,7 +50,26 @@ def _json_default(value: Any) -> Any:
         return value.tolist()
     if hasattr(value, "isoformat"):
         return value.isoformat()
-    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError("bytes are not text; decode them first (value.decode('utf-8')) or drop the field")
+    raise TypeError(f"a {type(value).__name__} value cannot be stored; give str, numbers, bools, None, lists or dicts")
+
+
+def _jsonl_line(row: dict, index: int) -> bytes:
+    """One row as a UTF-8 JSON line.  Text that UTF-8 cannot hold (a lone surrogate) is written as a JSON escape,
+    so ingest rejects that row with a reason (``non_utf8``) instead of the whole write failing.
+
+    Raises:
+        InputError: A value is not JSON data (bytes, a set, an object), naming the row.
+    """
+    try:
+        text = json.dumps(row, default=_json_default, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"row {index} of the rows given: {exc}") from None
+    try:
+        return text.encode("utf-8") + b"\n"
+    except UnicodeEncodeError:
+        return json.dumps(row, default=_json_default, ensure_ascii=True).encode("ascii") + b"\n"
 
 
 def in_memory_kind(source: Any) -> str | None:
@@ -74,9 +94,9 @@ def _write(source: Any, kind: str, folder: Path) -> None:
     import pyarrow.parquet as pq
 
     if kind == "rows":
-        with open(folder / "rows.jsonl", "w", encoding="utf-8") as fh:
-            for row in source:
-                fh.write(json.dumps(row, default=_json_default, ensure_ascii=False) + "\n")
+        with open(folder / "rows.jsonl", "wb") as fh:
+            for index, row in enumerate(source):
+                fh.write(_jsonl_line(row, index))
     elif kind == "arrow":
         pq.write_table(source, folder / "rows.parquet")
     elif kind == "pandas":
@@ -95,6 +115,23 @@ def _folder_digest(folder: Path) -> str:
     return hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]
 
 
+def check_source(source: Any) -> str:
+    """The :func:`in_memory_kind` of ``source``, after checking that it holds rows (before anything is written).
+
+    Raises:
+        InputError: ``source`` is not in-memory rows of a supported kind, or is empty.
+    """
+    kind = in_memory_kind(source)
+    if kind is None:
+        what = f"an empty {type(source).__name__}" if isinstance(source, (list, tuple)) and not source \
+            else type(source).__name__
+        raise InputError(f"cannot read {what} as rows; pass path(s), a non-empty list of dicts, a "
+                         "pyarrow.Table, a pandas DataFrame, a datasets.Dataset or a ray.data.Dataset")
+    if kind in ("arrow", "pandas", "hf") and len(source) == 0:
+        raise InputError(f"the {type(source).__name__} given holds no rows; pass at least one row")
+    return kind
+
+
 def write_source(source: Any, inputs_dir: str | Path) -> str:
     """Write in-memory rows under ``inputs_dir/source-<content hash>/`` and return that folder.
 
@@ -111,10 +148,7 @@ def write_source(source: Any, inputs_dir: str | Path) -> str:
     Raises:
         InputError: ``source`` is none of these, or holds no row.
     """
-    kind = in_memory_kind(source)
-    if kind is None:
-        raise InputError(f"cannot read {type(source).__name__} as rows; pass path(s), a non-empty list of dicts, a "
-                         "pyarrow.Table, a pandas DataFrame, a datasets.Dataset or a ray.data.Dataset")
+    kind = check_source(source)
     inputs_dir = Path(inputs_dir)
     inputs_dir.mkdir(parents=True, exist_ok=True)
     for stale in inputs_dir.glob(".*.tmp"):
