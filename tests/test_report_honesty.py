@@ -166,3 +166,12 @@ def test_seed_wording_says_which_seeds_and_how_many():
     assert "pooled over 1 seed (seed 7)" in html and "seeds != 0" not in html and "the 1 seeds" not in html
     assert "No fine-tuned arm beats the base model in greedy exact match</b> (pooled)" in html
     assert summary["comparisons"]["clean vs base"]["pooled"]["value"] == pytest.approx(-0.1)
+
+
+def test_curate_run_report_opens_with_the_base_verdict_over_every_arm(tmp_path):
+    run_dir, _ = _curate_run(tmp_path)
+    html = render_report(run_dir)
+    top = html[html.index("Did curation help?"):html.index("<h2 id='composition'>")]
+    assert "3 of 5 fine-tuned arms beat the base model in greedy exact match" in top
+    assert "composition +0.150 [" in top and "BDS alone +0.100 [" in top
+    assert "Oracle gap in greedy exact match" in top and "href='#composition'" in top

@@ -15,6 +15,7 @@ from typing import Any
 from raycurate.algorithms.stats import bootstrap_mean_ci, paired_bootstrap_ci
 from raycurate.report.charts import esc, table
 from raycurate.report.curation import (
+    ARM_NAMES,
     BASE,
     aligned_scores,
     base_sentence,
@@ -32,8 +33,6 @@ RANDOM = "random"
 #: The reference models a curate run trains beside its arms (``eval_<model>``): not fine-tuned, SFT on the whole
 #: pool, SFT on the pool's clean rows.
 REFERENCES: dict[str, str] = {BASE: "base model", "mixed": "mixed (all pool rows)", "clean": "clean (clean pool rows)"}
-ARM_NAMES: dict[str, str] = {COMPOSITION: "composition", "bds": "BDS alone", "p2d": "P2D alone",
-                             "dedup": "dedup alone", "bridge": "BRIDGE alone", RANDOM: "random rows"}
 
 
 def display_names(arms: dict[str, dict]) -> dict[str, str]:

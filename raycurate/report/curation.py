@@ -163,6 +163,19 @@ def aligned_scores(run_dir: str | Path, manifest: dict,
 #: The metrics the verdicts state separately, in the order they are stated (greedy first).
 VERDICT_METRICS: tuple[str, ...] = ("correct", "sampled_accuracy")
 BASE = "base"
+#: What the report calls the arms of ``pipeline: curate`` (arm name; its model is ``curate`` / ``curate_<arm>``).
+ARM_NAMES: dict[str, str] = {"composition": "composition", "bds": "BDS alone", "p2d": "P2D alone",
+                             "dedup": "dedup alone", "bridge": "BRIDGE alone", "random": "random rows"}
+
+
+def display_name(model: str) -> str:
+    """What the report calls an evaluated model: ``curate`` is the composition, ``curate_<arm>`` that arm."""
+    if model == "curate":
+        return ARM_NAMES["composition"]
+    if model.startswith("curate_"):
+        arm = model.removeprefix("curate_")
+        return ARM_NAMES.get(arm, f"{arm} alone")
+    return model
 
 
 def scores_by_metric(run_dir: str | Path, manifest: dict,
@@ -307,8 +320,9 @@ def curation_comparisons(run_dir: str | Path, manifest: dict, *, replicates: int
     }
     if "clean" in scores:
         out["oracle"] = paired("clean", "mixed").as_dict()
+    everyone = list(dict.fromkeys([*scores, *evaluated_models(manifest)]))  # e.g. a curate run's arms too
     out["by_metric"] = {key: metric_block(lab, sc, replicates=replicates, seed=seed)
-                        for key, (lab, sc) in scores_by_metric(run_dir, manifest, list(scores)).items()}
+                        for key, (lab, sc) in scores_by_metric(run_dir, manifest, everyone).items()}
     methods = []
     for spec in METHODS:
         if spec.model not in scores:
@@ -370,13 +384,17 @@ def section_curation(run_dir: Path, manifest: dict) -> str:
     metric, n = comparisons["metric_label"], comparisons["questions"]
     by_metric = comparisons.get("by_metric") or {}
     parts = ["<h2 id='curation'>Did curation help?</h2>"]
-    parts += [base_sentence(block) for block in by_metric.values()]
+    names = {m: display_name(m) for b in by_metric.values() for m in b["models"]}
+    parts += [base_sentence(block, names) for block in by_metric.values()]
     parts.append(f"<p>Held-out scores on {n} questions; 95% paired bootstrap intervals over questions (one corpus "
                  "seed: rerun <code>jobs/proving_ground.yaml</code> for several). <b>*</b> marks a difference whose "
                  "interval excludes 0; <i>(noise)</i> one that does not.</p>")
     parts += [oracle_sentence(block) for block in by_metric.values()]
-    if by_metric:
-        parts.append(scores_table(by_metric))
+    if (manifest.get("results") or {}).get("composition"):
+        parts.append("<p>Each arm's score, its difference from random rows and its share of the gap closed: "
+                     "<a href='#composition'>Composition</a>.</p>")
+    elif by_metric:
+        parts.append(scores_table(by_metric, names))
     primary = next((b for k, b in by_metric.items() if k == comparisons["metric"]), None)
     rows = [[m["label"], m["selection"].get("budget", ""), _selection_text(m["selection"]), format_ci(m["score"]),
              m["baseline"] or "", format_ci(m.get("vs_baseline"), True), format_ci(m["vs_mixed"], True),
