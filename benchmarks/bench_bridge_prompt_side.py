@@ -21,7 +21,11 @@ Then:
   whether a faithful proxy can reach the distractor target at all.
 
 The base model is the demo's committed embedded model (``--model embedded``, default; warmup lr 2e-3 as the
-demo's ``train.lr``, scoring layers capped at its 2) or the old cached tiny-llama (``--model tiny``).  Usage::
+demo's ``train.lr``, scoring layers capped at its 2), the old cached tiny-llama (``--model tiny``), or any model
+name :mod:`raycurate.models.loading` resolves (``smollm2-135m`` once fetched) or checkpoint folder; the rows are
+rendered with ``--system-prompt`` (``tokenize.system_prompt``).  Each seed's work is sized before it starts (one
+line with the row counts) and progress lines (phases, fidelity and oracle rows) are printed, flushed, as it goes.
+Usage::
 
     python benchmarks/bench_bridge_prompt_side.py [--corpus-seeds 0 1 2] [--select-rows 150] [--fidelity-rows 20]
 
@@ -48,14 +52,19 @@ def base_model_dir(cache_dir: str) -> str:
                              progress=False)
 
 
-def token_splits(tokenizer, corpus_seed: int, n_rows: int) -> dict[str, list[dict]]:
+def say(text: str, start: float | None = None) -> None:
+    """A progress line, flushed (with the seconds since ``start`` when given)."""
+    print(text if start is None else f"{text} ({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+def token_splits(tokenizer, corpus_seed: int, n_rows: int, system_prompt: str = "default") -> dict[str, list[dict]]:
     from raycurate.config.data import DataConfig
     from raycurate.data.corpus import generate_corpus
     from raycurate.data.splits import assign_splits
     from raycurate.data.tokenize import tokenize_batch
 
     rows = generate_corpus(n_rows, seed=corpus_seed, corrupt_fraction=0.3)
-    token_rows, _ = tokenize_batch(tokenizer, rows, max_length=384)
+    token_rows, _ = tokenize_batch(tokenizer, rows, max_length=384, system_prompt=system_prompt)
     names = assign_splits([r["id"] for r in token_rows], 0, DataConfig().split_ratios)
     out: dict[str, list[dict]] = {"warmup": [], "validation": [], "selection": []}
     for row, name in zip(token_rows, names):
@@ -154,7 +163,9 @@ def fidelity(model, direction, rows: list[dict]) -> dict:
     from raycurate.algorithms.selection import eligible_positions
 
     examples, extra, curves, top_curves = [], [], [], []
+    start = time.perf_counter()
     for index, row in enumerate(rows):
+        say(f"  fidelity row {index + 1}/{len(rows)}", start)
         n, p = len(row["input_ids"]), int(row["prompt_len"])
         fixed_p, fixed_r = fixed_masks(p, n, row["prompt_offsets"], row["response_offsets"])
         prompt_idx, response_idx = eligible_positions(n, p, bool(fixed_p[0]), fixed_p, fixed_r)
@@ -208,7 +219,9 @@ def oracle_drops(model, direction, rows: list[dict]) -> dict:
     names = ("exact_loo", "exact_knockout", KNOCKOUT, "routing", "abs_exact_loo", "abs_knockout_grad",
              "loss_removal")
     sums = {name: dict.fromkeys(keys, 0) for name in names}
-    for row in rows:
+    start = time.perf_counter()
+    for index, row in enumerate(rows):
+        say(f"  oracle row {index + 1}/{len(rows)}", start)
         n, p = len(row["input_ids"]), int(row["prompt_len"])
         fixed_p, fixed_r = fixed_masks(p, n, row["prompt_offsets"], row["response_offsets"])
         prompt_idx, response_idx = eligible_positions(n, p, bool(fixed_p[0]), fixed_p, fixed_r)
@@ -246,22 +259,33 @@ def run_seed(corpus_seed: int, args, base_dir: str) -> dict:
     start = time.perf_counter()
     tokenizer = load_tokenizer(base_dir)
     pad_id = tokenizer.pad_token_id or 0
-    splits = token_splits(tokenizer, corpus_seed, args.corpus_rows)
-    model = load_model(base_dir, dtype="float32", device="cpu")
-    theta_old = {k: v.detach().clone() for k, v in model.named_parameters()}
-    warm_loss = warmup_sft(model, splits["warmup"], pad_id, seed=corpus_seed, lr=args.lr)
-    model.eval()
-    direction = direction_for(model, theta_old, splits["validation"][:args.validation_rows], pad_id,
-                              last_layers=min(args.last_layers, model.config.num_hidden_layers))
+    splits = token_splits(tokenizer, corpus_seed, args.corpus_rows, args.system_prompt)
     order = np.random.default_rng(corpus_seed).permutation(len(splits["selection"]))
     selection = [splits["selection"][i] for i in order]
     labelled = [r for r in selection if r["label"].get("distractor_spans")][:args.select_rows]
-    drops = {} if args.oracle_only else {proxy: drop_shares(model, direction, labelled, pad_id, proxy)
-                                         for proxy in ("routing", "knockout_grad")}
+    validation = splits["validation"][:args.validation_rows]
+    fidelity_rows, oracle_rows = selection[:args.fidelity_rows], labelled[:args.oracle_rows]
+    say(f"corpus seed {corpus_seed} plan: warmup SFT on {len(splits['warmup'])} rows, direction on "
+        f"{len(validation)} validation rows, "
+        + (f"oracle drops on {len(oracle_rows)} rows" if args.oracle_only else
+           f"drops on {len(labelled)} rows x 2 proxies, fidelity on {len(fidelity_rows)} rows, oracle drops on "
+           f"{len(oracle_rows)} rows"))
+    model = load_model(base_dir, dtype="float32", device="cpu")
+    theta_old = {k: v.detach().clone() for k, v in model.named_parameters()}
+    warm_loss = warmup_sft(model, splits["warmup"], pad_id, seed=corpus_seed, lr=args.lr)
+    say(f"  warmup SFT done, last loss {warm_loss:.3f}", start)
+    model.eval()
+    direction = direction_for(model, theta_old, validation, pad_id,
+                              last_layers=min(args.last_layers, model.config.num_hidden_layers))
+    say("  direction done", start)
+    drops = {}
+    for proxy in () if args.oracle_only else ("routing", "knockout_grad"):
+        drops[proxy] = drop_shares(model, direction, labelled, pad_id, proxy)
+        say(f"  drops ({proxy}) done", start)
     if args.oracle_only:
-        return {"seed": corpus_seed, "oracle": oracle_drops(model, direction, labelled[:args.oracle_rows])}
-    fid = fidelity(model, direction, selection[:args.fidelity_rows])
-    oracle = oracle_drops(model, direction, labelled[:args.oracle_rows])
+        return {"seed": corpus_seed, "oracle": oracle_drops(model, direction, oracle_rows)}
+    fid = fidelity(model, direction, fidelity_rows)
+    oracle = oracle_drops(model, direction, oracle_rows)
     return {"seed": corpus_seed, "warmup_rows": len(splits["warmup"]), "warmup_loss": warm_loss,
             "select_rows": len(labelled), "drops": drops, "fidelity": fid, "oracle": oracle,
             "seconds": time.perf_counter() - start}
@@ -304,8 +328,10 @@ def main() -> None:
     parser.add_argument("--oracle-only", action="store_true", help="only the same-state oracle drop shares")
     parser.add_argument("--cache-dir", default=".cache/raycurate")
     parser.add_argument("--model", default="embedded",
-                        help="'embedded' (the demo's committed base model), 'tiny' (the old cached tiny-llama) or a "
-                             "checkpoint folder")
+                        help="'embedded' (the demo's committed base model), 'tiny' (the old cached tiny-llama), a "
+                             "model name raycurate resolves (smollm2-135m, once fetched) or a checkpoint folder")
+    parser.add_argument("--system-prompt", default="default",
+                        help="tokenize.system_prompt of the rows: default (the template's), none, or the text")
     parser.add_argument("--lr", type=float, default=2e-3, help="warmup SFT lr (the demo's train.lr)")
     parser.add_argument("--last-layers", type=int, default=4, help="scoring layers L (capped at the model's depth)")
     parser.add_argument("--threads", type=int, default=1)
@@ -313,10 +339,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
-    base_dir = base_model_dir(args.cache_dir) if args.model == "tiny" else args.model
-    if base_dir == "embedded":
-        from raycurate.models.loading import embedded_model_dir
-        base_dir = embedded_model_dir()
+    from raycurate.models.loading import resolve_model_path
+
+    base_dir = base_model_dir(args.cache_dir) if args.model == "tiny" else resolve_model_path(args.model)
     results = []
     for seed in args.corpus_seeds:
         results.append(run_seed(seed, args, base_dir))
