@@ -60,6 +60,23 @@ def _files(**files: bytes | str | None) -> Callable[[Path], None]:
     return write
 
 
+def _special(fifo: str | None = None, zero: str | None = None, good: str | None = None) -> Callable[[Path], None]:
+    """Writer of a FIFO and / or a symlink to /dev/zero (plus an optional good file) under ``in/``."""
+
+    def write(folder: Path) -> None:
+        for name in (fifo, zero, good):
+            if name:
+                (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        if fifo:
+            os.mkfifo(folder / fifo)
+        if zero:
+            os.symlink("/dev/zero", folder / zero)
+        if good:
+            (folder / good).write_bytes(GOOD)
+
+    return write
+
+
 def _parquet(rows: list[dict], truncate: int | None = None) -> bytes:
     import io
 
@@ -148,9 +165,11 @@ CASES = [
          code=0, rows=(2, 2, 0), unread=("notes.txt", "data.csv", ".hidden.jsonl"), kind="handled"),
     # --- tracebacks in the issue: now one-line errors ---------------------------------------------------------
     Case("empty_jsonl", ingest("{in}/empty.jsonl"), _files(**{"empty.jsonl": b""}),
-         says=("empty.jsonl", "all inputs are empty"), early=False),
+         says=("empty.jsonl", "all inputs are empty")),
     Case("blank_lines_only", ingest("{in}/blank.jsonl"), _files(**{"blank.jsonl": b"\n  \n\r\n"}),
-         says=("blank.jsonl", "empty"), early=False),
+         says=("blank.jsonl", "empty")),
+    Case("empty_train_data", ("train", "--data", "{in}/e.jsonl", "--out", OUT),
+         _files(**{"e.jsonl": b"\xef\xbb\xbf\n"}), says=("e.jsonl", "all inputs are empty")),
     Case("garbage_bin", ingest("{in}/x.bin"), _files(**{"x.bin": os.urandom(256)}),
          says=("x.bin", "unsupported format (.bin)", "convert it")),
     Case("truncated_parquet", ingest("{in}/t.parquet"), _files(**{"t.parquet": _parquet([_row(1)], truncate=60)}),
@@ -172,7 +191,7 @@ CASES = [
          _files(**{"a.jsonl": GOOD}), says=("cannot create run directory", "writable")),
     Case("every_row_rejected", ingest("{in}/bad.jsonl"),
          _files(**{"bad.jsonl": _lines([b"{not json", {"prompt": "p"}, {"prompt": "", "response": "r"}])}),
-         says=("accepted 0 of 3 rows", "rejected.jsonl"), rows=(3, 0, 3),
+         says=("accepted 0 of 3 rows of ", "bad.jsonl (rejected by reason", "rejected.jsonl"), rows=(3, 0, 3),
          reasons={"malformed_json": 1, "missing_field": 1, "empty_field": 1}, early=False),
     Case("model_folder_not_a_model", ("train", "--data", "{in}/a.jsonl", "--model", "{in}/notamodel", "--out", OUT),
          _files(**{"a.jsonl": GOOD, "notamodel__README.md": "hi"}),
@@ -235,6 +254,20 @@ CASES = [
          code=0, rows=(3, 1, 2), reasons={"wrong_type": 2}, kind="rejected"),
     Case("invalid_utf8_line", ingest("{in}/a.jsonl"), _files(**{"a.jsonl": _lines([b'{"prompt": "\xff"}', _row(1)])}),
          code=0, rows=(2, 1, 1), reasons={"non_utf8": 1}, kind="rejected"),
+    Case("parquet_prompt_int64_every_row_rejected", ingest("{in}/n.parquet"),
+         _files(**{"n.parquet": _parquet([{"prompt": 1, "response": "r"}, {"prompt": 2, "response": "s"}])}),
+         says=("accepted 0 of 2 rows of ", "n.parquet", "wrong_type: 2"), rows=(2, 0, 2),
+         reasons={"wrong_type": 2}, early=False),
+    Case("fifo_in_input_folder", ingest("{in}/d"), _special(fifo="d/p.jsonl", good="d/a.jsonl"),
+         code=0, rows=(2, 2, 0), unread=("p.jsonl",), kind="handled"),
+    Case("fifo_given_directly", ingest("{in}/p.jsonl"), _special(fifo="p.jsonl"),
+         says=("p.jsonl: not a regular file",)),
+    Case("fifo_matched_by_glob", ingest("{in}/*.jsonl"), _special(fifo="p.jsonl", good="a.jsonl"),
+         code=0, rows=(2, 2, 0), unread=("p.jsonl",), kind="handled"),
+    Case("symlink_to_dev_zero", ingest("{in}/z.jsonl"), _special(zero="z.jsonl"),
+         says=("z.jsonl: not a regular file",)),
+    Case("symlink_to_dev_zero_in_folder", ingest("{in}/d"), _special(zero="d/z.jsonl", good="d/a.jsonl"),
+         code=0, rows=(2, 2, 0), unread=("z.jsonl",), kind="handled"),
     Case("lone_surrogate_escape_in_jsonl", ingest("{in}/a.jsonl"),
          _files(**{"a.jsonl": _lines([b'{"prompt": "a \\udcff", "response": "r"}', _row(1),
                                       b'{"prompt": "p", "response": "r", "meta": {"\\ud800": 1}}'])}),

@@ -180,7 +180,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from raycurate.config.data import DataConfig
-    from raycurate.data.readers import plan_inputs
+    from raycurate.data.readers import plan_inputs, require_rows
     from raycurate.rundir import open_run_dir
     from raycurate.stages.data_stages import ingest_stage
     from raycurate.storage import split_name
@@ -188,7 +188,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     overrides = [o.removeprefix("data.") for o in args.overrides]
     data_cfg = from_dict(DataConfig, apply_overrides({"strict": args.strict}, overrides), "command line",
                          overridden={f"data.{k}" for k in override_keys(overrides)}, prefix="data")
-    plan_inputs(args.input)  # fail on unreadable inputs before anything is written
+    require_rows(plan_inputs(args.input))  # fail on unreadable or empty inputs before anything is written
     run = open_run_dir(*split_name(args.out))
     try:
         record = ingest_stage(run, args.input, data_cfg, upstream=[], progress=True, force=args.force)

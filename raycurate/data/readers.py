@@ -141,6 +141,9 @@ def file_format(path: str) -> tuple[str, str | None] | None:
     return None
 
 
+NOT_REGULAR = "not a regular file (a FIFO, device or socket), not read"
+
+
 def _unsupported_reason(path: str, listed: bool = False) -> str:
     name = os.path.basename(path)
     suffix = "".join(re.findall(r"\.[^.]+", name)[-2:]) or "no suffix"
@@ -167,6 +170,8 @@ def _expand_folder(path: str, plan: InputPlan) -> list[str]:
                 plan.unread.append({"path": full, "reason": "hidden file (name starts with '.')"})
             elif not os.path.exists(full):
                 plan.unread.append({"path": full, "reason": "broken or looping symlink"})
+            elif not os.path.isfile(full):  # never opened: reading a FIFO blocks, a device never ends
+                plan.unread.append({"path": full, "reason": NOT_REGULAR})
             elif file_format(full) is None:
                 plan.unread.append({"path": full, "reason": _unsupported_reason(full, listed=True)})
             else:
@@ -251,6 +256,11 @@ def _add_path(path: str, plan: InputPlan, *, given: bool) -> None:
             _add_file(f, plan, given=False)
     elif os.path.isfile(path):
         _add_file(path, plan, given=given)
+    elif os.path.exists(path):
+        if not given:
+            plan.unread.append({"path": path, "reason": NOT_REGULAR})
+            return
+        raise InputError(f"{path}: {NOT_REGULAR}; pass a jsonl/parquet file or folder")
     elif os.path.islink(path):
         raise InputNotFound(f"{path}: broken or looping symlink; point it at a jsonl/parquet file or folder")
     else:
@@ -279,6 +289,37 @@ def plan_inputs(paths: str | list[str]) -> InputPlan:
     for path in paths:
         _add_path(os.fspath(path) if isinstance(path, os.PathLike) else path, plan, given=True)
     return plan
+
+
+_BLANK_PROBE_BYTES = 1 << 16
+_BOMS = (b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")
+
+
+def _is_blank_file(inp: InputFile) -> bool:
+    """Whether an uncompressed JSON / JSON-lines file holds nothing but whitespace (small files only)."""
+    if inp.format != "jsonl" or inp.compression is not None:
+        return False
+    try:
+        if os.path.getsize(inp.path) > _BLANK_PROBE_BYTES:
+            return False
+        with open(inp.path, "rb") as fh:
+            data = fh.read(_BLANK_PROBE_BYTES)
+    except OSError:
+        return False
+    for bom in _BOMS:
+        data = data.removeprefix(bom)
+    return not data.strip(b" \t\r\n\x00")
+
+
+def require_rows(plan: InputPlan) -> None:
+    """Refuse a plan whose every input is an empty (or whitespace-only) file, before anything is written.
+
+    Raises:
+        InputError: Naming the empty files (the same words as ingest's own check on compressed inputs).
+    """
+    if plan.inputs and all(_is_blank_file(inp) for inp in plan.inputs):
+        names = ", ".join(inp.source for inp in plan.inputs[:5])
+        raise InputError(f"all inputs are empty (no rows in {names}); check the input paths")
 
 
 def resolve_inputs(paths: str | list[str]) -> list[InputFile]:

@@ -20,11 +20,13 @@ def check_job_inputs(cfg: Any) -> None:
     Raises:
         raycurate.errors.UserError: naming the config key / file and what to do.
     """
-    from raycurate.data.readers import plan_inputs
+    from raycurate.data.readers import plan_inputs, require_rows
     from raycurate.models.loading import check_model_source
 
     if cfg.data.input_paths():
-        plan_inputs(cfg.data.input_paths())
+        plan = plan_inputs(cfg.data.input_paths())
+        if not cfg.data.validation_input:
+            require_rows(plan)
     if cfg.data.validation_input:
         plan_inputs([cfg.data.validation_input])
     check_model_source(cfg.model.name_or_path)

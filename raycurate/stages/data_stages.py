@@ -95,8 +95,10 @@ def check_rows_accepted(run: RunDir, record: dict, stage: str) -> None:
     by_reason = metrics.get("rejected_by_reason") or {}
     reasons = ", ".join(f"{k}: {v}" for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1])) or "none"
     where = run.root / record["outputs"]["rejected"]
-    raise InputError(f"{stage} accepted 0 of {rows.get('rejected', 0)} rows (rejected by reason: {reasons}); see "
-                     f"{where} for each row's reason, fix the data and re-run")
+    names = [f["path"] for f in metrics.get("files") or [] if isinstance(f, dict) and f.get("path")]
+    inputs = f" of {', '.join(names[:3])}{f' (+{len(names) - 3} more)' if len(names) > 3 else ''}" if names else ""
+    raise InputError(f"{stage} accepted 0 of {rows.get('rejected', 0)} rows{inputs} (rejected by reason: {reasons}); "
+                     f"see {where} for each row's reason, fix the data and re-run")
 
 
 def _file_fingerprint(path: str, run: RunDir | None = None) -> dict:
