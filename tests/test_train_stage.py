@@ -356,6 +356,70 @@ def test_lora_loop_trains_only_the_adapter_and_exports_a_merged_checkpoint(tiny_
     assert os.path.exists(os.path.join(job.output_dir, "adapter", "adapter_config.json"))
 
 
+def test_lora_checkpoint_holds_the_adapter_only_and_resumes_like_an_uninterrupted_run(tiny_model, token_table,
+                                                                                       tmp_path):
+    cfg = TrainConfig(engine="ddp", micro_batch_size=2, effective_batch_size=4, max_steps=4, lr=5e-2,
+                      checkpoint_every_steps=2, num_workers=1, seed=1, adapter="lora", lora_r=4, lora_alpha=8,
+                      lora_targets=["q_proj", "v_proj"])
+    spec = cfg.adapter_spec()
+    assert spec == {"kind": "lora", "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
+    straight_job = SFTJob(token_table, tiny_model, str(tmp_path / "straight"), cfg, False, 1.0, adapter=spec)
+    straight = train_loop(straight_job, LocalSession(str(tmp_path / "ckpt_a")))
+    resumed_job = SFTJob(token_table, tiny_model, str(tmp_path / "resumed"), cfg, False, 1.0, adapter=spec)
+    with pytest.raises(Crash):
+        train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b"), crash_after_checkpoints=1))
+    saved = torch.load(os.path.join(tmp_path, "ckpt_b", "step_00002", "ddp_state.pt"), weights_only=True)["model"]
+    assert saved and all("lora_" in k for k in saved)  # no frozen base weight in the checkpoint
+    resumed = train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b")))
+    assert resumed["start_step"] == 2
+    assert resumed["loss_per_step"] == pytest.approx(straight["loss_per_step"], rel=1e-5)
+    a, b = _weights(straight_job.output_dir), _weights(resumed_job.output_dir)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_lora_export_keeps_the_base_checkpoint_dtype(tiny_model, token_table, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    base = str(tmp_path / "bf16_base")
+    AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(base)
+    for name in os.listdir(tiny_model):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(os.path.join(tiny_model, name), base)
+    cfg = TrainConfig(engine="ddp", micro_batch_size=2, effective_batch_size=4, max_steps=1, lr=5e-2, num_workers=1,
+                      adapter="lora", lora_r=2)
+    job = SFTJob(token_table, base, str(tmp_path / "out"), cfg, False, 1.0, adapter=cfg.adapter_spec())
+    train_loop(job, LocalSession(str(tmp_path / "ckpt")))
+    assert {v.dtype for v in _weights(job.output_dir).values()} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_deepspeed_lora_checkpoint_skips_frozen_weights_and_resume_matches(ray_local, tiny_model, token_table,
+                                                                           tmp_path, monkeypatch):
+    from raycurate.training.session import FAULT_ENV
+
+    cfg = _zero_cfg(num_workers=1, max_steps=4, max_failures=1, adapter="lora", lora_r=4, lora_alpha=8,
+                    lora_targets=["q_proj", "v_proj"])
+    straight_out = str(tmp_path / "straight")
+    straight = _launch("zero2 lora 4 steps", token_table, tiny_model, straight_out, cfg,
+                       storage_dir=str(tmp_path / "s1"), name="sft")
+    marker = tmp_path / "killed"
+    monkeypatch.setenv(FAULT_ENV, f"0:3:{marker}")  # the worker dies after step 3 (checkpoint at step 2)
+    killed_out = str(tmp_path / "killed_run")
+    killed = _launch("zero2 lora, killed after step 3", token_table, tiny_model, killed_out, cfg,
+                     storage_dir=str(tmp_path / "s2"), name="sft")
+    assert marker.exists() and killed["start_step"] == 2 and killed["adapter"] == "lora"
+    assert killed["loss_per_step"] == pytest.approx(straight["loss_per_step"], rel=1e-6)
+    _assert_same_weights(killed_out, straight_out, atol=1e-6)
+    states = [os.path.join(root, f) for root, _, files in os.walk(tmp_path / "s2") for f in files
+              if f.endswith("model_states.pt")]
+    assert states
+    for path in states:  # DeepSpeed's own pickle format (our test wrote it): weights_only cannot read it
+        module = torch.load(path, weights_only=False)["module"]
+        assert module and all("lora_" in k for k in module)
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.parametrize("adapter", [{"kind": "lora", "r": 4, "alpha": 8},

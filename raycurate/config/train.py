@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from raycurate.config.base import option
 
 LAUNCHERS = ("ray_train", "task")
+ADAPTERS = ("full", "lora")
 
 
 @dataclass
@@ -45,6 +46,17 @@ class TrainConfig:
         "thread); Ray's reservation stays cpus_per_worker either way.", ge=0
     )
     use_gpu: bool | None = option(None, "Train on GPUs (one per worker); null = yes iff the Ray cluster has GPUs.")
+    adapter: str = option(
+        "full", "What SFT trains: full (every parameter) or lora (PEFT LoRA on lora_targets, base weights frozen; "
+        "resumable checkpoints then hold the adapter and its optimizer state only). Methods with their own adapter "
+        "(P2D head deltas, bilevel's theta) keep theirs.", choices=ADAPTERS,
+    )
+    lora_r: int = option(16, "LoRA rank (train.adapter=lora).", ge=1)
+    lora_alpha: float = option(32.0, "LoRA alpha (train.adapter=lora); the update is scaled by alpha / r.", gt=0)
+    lora_targets: list[str] = option(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "Linear module names LoRA wraps (train.adapter=lora); the default is every linear layer of a Llama block.",
+    )
     lr: float = option(2e-5, "Peak learning rate of AdamW.", gt=0)
     weight_decay: float = option(0.0, "AdamW decoupled weight decay.", ge=0)
     warmup_ratio: float = option(0.03, "Fraction of optimizer steps with linear warmup before the cosine decay.",
@@ -72,6 +84,12 @@ class TrainConfig:
         "raises; each restart resumes from the latest checkpoint (-1 = unlimited).", ge=-1
     )
     log_every_steps: int = option(10, "Rank 0 logs loss and learning rate every N optimizer steps.", ge=1)
+
+    def adapter_spec(self) -> dict | None:
+        """The :mod:`raycurate.models.adapters` spec of ``adapter`` (None = full fine-tuning)."""
+        if self.adapter == "full":
+            return None
+        return {"kind": "lora", "r": self.lora_r, "alpha": self.lora_alpha, "targets": list(self.lora_targets)}
 
     def launcher_problems(self) -> list[str]:
         """``launcher=task`` runs one process, so it needs exactly one worker."""

@@ -68,16 +68,21 @@ def train_stage(run: RunDir, stage: str, *, tokens_stage: str, init_stage: str, 
     killed mid-training resumes from its latest checkpoint when re-run with the same config.
 
     Args:
-        adapter: Adapter spec (:mod:`raycurate.models.adapters`; LoRA, P2D head deltas) or None for full
-            fine-tuning; the output is always a merged HF checkpoint (LoRA also under ``model/adapter``).
+        adapter: Adapter spec (:mod:`raycurate.models.adapters`; LoRA, P2D head deltas) or None for
+            ``train_cfg``'s own (``train.adapter``: full fine-tuning or LoRA); the output is always a merged HF
+            checkpoint (LoRA also under ``model/adapter``).
         extra_upstream: Stages the adapter spec was derived from (e.g. head scoring), so it re-runs with them.
     """
     from raycurate.stages.train import run_sft
 
+    if adapter is None:
+        adapter = train_cfg.adapter_spec()  # the hash below keeps train_cfg as is: it holds the adapter fields
+        config: Any = train_cfg
+    else:
+        config = {"train": train_cfg, "adapter": adapter}
     tokens = output_path(run, tokens_stage, "tokens")
     init_model = output_path(run, init_stage, "model")
     upstream = [tokens_stage, init_stage, *extra_upstream]
-    config = train_cfg if adapter is None else {"train": train_cfg, "adapter": adapter}
     # The checkpoint folder ignores max_steps, so raising it (e.g. the next ASHA rung) extends the saved run.
     resume_key = stage_hash(run, {"train": dataclasses.replace(train_cfg, max_steps=None), "adapter": adapter},
                             upstream)

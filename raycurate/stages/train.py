@@ -239,7 +239,8 @@ def run_sft(train_table: str, init_model: str, output_dir: str, cfg: TrainConfig
         storage_dir: Ray Train storage (checkpoints); re-running with the same ``storage_dir`` and ``name``
             resumes from the latest checkpoint there.
         name: Ray Train run name.
-        adapter: Adapter spec (:mod:`raycurate.models.adapters`): LoRA, P2D head deltas, or None (full).
+        adapter: Adapter spec (:mod:`raycurate.models.adapters`): LoRA, P2D head deltas, or None (``cfg``'s own
+            ``train.adapter``: full fine-tuning or LoRA).
 
     Returns:
         The metrics of ``train_metrics.json``: ``loss_per_step``, ``steps``, ``start_step``, ``tokens``,
@@ -252,7 +253,7 @@ def run_sft(train_table: str, init_model: str, output_dir: str, cfg: TrainConfig
         raise FileNotFoundError(f"init_model={init_model} is not a directory; pass a local HF checkpoint dir.")
     use_gpu, cpus = worker_resources(cfg)
     job = SFTJob(os.path.abspath(train_table), os.path.abspath(init_model), os.path.abspath(output_dir),
-                 cfg, use_gpu, cpus, adapter)
+                 cfg, use_gpu, cpus, adapter if adapter is not None else cfg.adapter_spec())
     launch_trainer(sft_entry, {"job": job}, cfg, use_gpu, cpus, storage_dir=storage_dir, name=name)
     with open(os.path.join(job.output_dir, METRICS_FILE)) as f:
         return json.load(f)

@@ -131,7 +131,7 @@ class DDPEngine:
 
         if rank == 0:
             state = {
-                "model": self.module.state_dict(),
+                "model": trainable_state_dict(self.module),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
             }
@@ -142,7 +142,7 @@ class DDPEngine:
         import torch
 
         state = torch.load(os.path.join(ckpt_dir, DDP_STATE_FILE), map_location=self.device, weights_only=True)
-        self.module.load_state_dict(state["model"])
+        load_trainable_state_dict(self.module, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         resync_schedule(self.scheduler, self.cfg.lr)
@@ -150,6 +150,31 @@ class DDPEngine:
     def full_state_dict(self, session: TrainSession | None = None) -> dict[str, Any] | None:
         """The full model state dict (every rank holds it)."""
         return self.module.state_dict()
+
+
+def frozen_parameter_names(module: Any) -> set[str]:
+    """Names of the parameters that receive no gradient (a LoRA or head-delta run's base weights)."""
+    return {name for name, p in module.named_parameters() if not p.requires_grad}
+
+
+def trainable_state_dict(module: Any) -> dict[str, Any]:
+    """``module.state_dict()`` without the frozen parameters: a LoRA run's checkpoint holds the adapter only, since
+    the base weights are the ``init_model`` it restarts from."""
+    frozen = frozen_parameter_names(module)
+    return {k: v for k, v in module.state_dict().items() if k not in frozen}
+
+
+def load_trainable_state_dict(module: Any, state: dict[str, Any]) -> None:
+    """Load a (possibly :func:`trainable_state_dict`) state; only frozen parameters may be missing from it.
+
+    Raises:
+        RuntimeError: A key the module does not have, or a trainable parameter or buffer the state lacks.
+    """
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    bad = sorted(set(missing) - frozen_parameter_names(module))
+    if unexpected or bad:
+        raise RuntimeError(f"checkpoint does not match the model: unexpected keys {sorted(unexpected)[:5]}, missing "
+                           f"trainable keys {bad[:5]}; delete the stage's _scratch folder to train from scratch")
 
 
 def skip_shared_memory_comm_op(deepspeed: Any) -> None:
@@ -192,6 +217,8 @@ class DeepSpeedEngine:
             dist_init_required=False,  # Ray Train already created the process group
         )
         self.module = self.engine.module
+        # LoRA / head-delta runs: checkpoints skip the frozen base weights (restored from init_model instead).
+        self.has_frozen = bool(frozen_parameter_names(self.module))
 
     def train_micro_batch(self, batch: dict[str, Any], loss_fn: LossFn, is_boundary: bool) -> Any:
         """Forward + backward of one micro-batch; DeepSpeed steps at its accumulation boundary."""
@@ -211,7 +238,8 @@ class DeepSpeedEngine:
 
     def save(self, ckpt_dir: str, rank: int) -> None:
         """Collective: every rank writes its own ZeRO shard files into ``ckpt_dir`` (convertible to universal)."""
-        self.engine.save_checkpoint(ckpt_dir, tag=DS_TAG, client_state=dict(UNIVERSAL_CLIENT_STATE))
+        self.engine.save_checkpoint(ckpt_dir, tag=DS_TAG, client_state=dict(UNIVERSAL_CLIENT_STATE),
+                                    exclude_frozen_parameters=self.has_frozen)
 
     def load(self, ckpt_dir: str, session: TrainSession | None = None) -> None:
         """Collective: restore weights, optimizer and scheduler; via a universal checkpoint when built for one."""
@@ -226,7 +254,8 @@ class DeepSpeedEngine:
     def _load_tag(self, ckpt_dir: str, tag: str) -> None:
         weight_decays = [group["weight_decay"] for group in self.scheduler.optimizer.param_groups]
         load_path, _ = self.engine.load_checkpoint(
-            ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
+            load_module_strict=not self.has_frozen,
         )
         if load_path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {ckpt_dir}/{tag}; delete the run's storage "

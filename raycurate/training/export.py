@@ -16,7 +16,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from raycurate.training.checkpoint import TrainState
-from raycurate.training.engines import load_model
+from raycurate.training.engines import load_model, load_trainable_state_dict
 
 if TYPE_CHECKING:
     from raycurate.training.session import TrainSession
@@ -37,15 +37,27 @@ def copy_tokenizer_files(init_model: str, dest: str) -> list[str]:
 
 
 def save_merged(job: Any, state_dict: dict[str, Any], dest: str) -> None:
-    """Rebuild the adapted model on CPU from ``init_model``, load the trained state, save adapter + merged model."""
+    """Rebuild the adapted model on CPU from ``init_model``, load the trained state (the frozen base weights may be
+    missing from it: they are ``init_model``'s), save adapter + merged model in ``init_model``'s dtype."""
     import torch
 
     from raycurate.models.adapters import apply_adapter, export_model, save_adapter
 
     model = apply_adapter(load_model(job.init_model, torch.float32), job.adapter)
-    model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    load_trainable_state_dict(model, {k: v.float() for k, v in state_dict.items()})
     save_adapter(model, job.adapter, os.path.join(dest, "adapter"))
-    export_model(model, job.adapter).save_pretrained(dest)
+    export_model(model, job.adapter).to(checkpoint_dtype(job.init_model)).save_pretrained(dest)
+
+
+def checkpoint_dtype(model_dir: str) -> Any:
+    """The weight dtype a HF checkpoint folder declares (``dtype`` / ``torch_dtype`` in config.json; fp32 if none),
+    so a merged adapter run is saved like its base (a bf16 base: half the disk of an fp32 copy)."""
+    import torch
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, str(name).removeprefix("torch."), torch.float32)
 
 
 def replace_dir(tmp: str, output_dir: str) -> None:
