@@ -117,7 +117,7 @@ def test_documented_cli_subcommands_exist():
 
 # The demo job made tiny: 200-row corpus, a 5-step tiny model, no training; ~1-2 min on 2 CPUs.  DEMO_STAGES are
 # the stages it must at least run.
-TINY_DEMO = ["demo.methods=[]", "data.corpus_rows=200", "data.heldout_rows=8", "data.corpus_bad_lines=2",
+TINY_DEMO = ["demo.methods=[base]", "data.corpus_rows=200", "data.heldout_rows=8", "data.corpus_bad_lines=2",
              "model.pretrain_steps=5", "model.pretrain_rows=200", "model.vocab_size=512", "eval.max_new_tokens=8",
              "eval.batch_size=8", "run.progress=false", "tokenize.num_actors=1", "eval.pool.num_actors=1",
              "eval.lm_eval_tasks=[]", "ray.address=auto"]

@@ -187,7 +187,7 @@ def test_s3_missing_bucket_is_a_clear_error(moto_endpoint, s3_runs, tmp_path):
 # ----------------------------------------------------------------------------------------------------------
 
 # The demo job without training methods: corpus -> base_model -> ingest -> tokenize -> eval_base on 120 rows.
-TINY = ["demo.methods=[]", "data.corpus_rows=120", "data.heldout_rows=6", "data.corpus_bad_lines=2",
+TINY = ["demo.methods=[base]", "data.corpus_rows=120", "data.heldout_rows=6", "data.corpus_bad_lines=2",
         "model.pretrain_steps=3", "model.pretrain_rows=120", "model.vocab_size=512", "eval.max_new_tokens=4",
         "eval.batch_size=8", "run.progress=false", "tokenize.num_actors=1", "eval.pool.num_actors=1",
         "eval.lm_eval_tasks=[]", "ray.num_cpus=2"]

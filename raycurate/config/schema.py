@@ -18,7 +18,7 @@ from raycurate.config.pool import ActorPoolConfig
 from raycurate.config.train import TrainConfig
 
 PIPELINES = ("demo", "sft", "bridge", "p2d", "bilevel", "curate", "proving_ground")
-DEMO_METHODS = ("sft", "bridge", "p2d", "bilevel")
+DEMO_METHODS = ("base", "sft", "bridge", "p2d", "bilevel")  # base: the base model's evaluation, which always runs
 BRIDGE_SPLITS = ("warmup", "validation", "selection")
 
 
@@ -78,14 +78,27 @@ class EvalConfig:
                                  choices=("math", "code", "instruction"))
 
 
+def _repeated(key: str, values: list) -> list[str]:
+    """A problem naming every value listed more than once in ``values`` (config key ``key``)."""
+    twice = sorted({repr(v) for v in values if values.count(v) > 1})
+    return [f"{key}: {', '.join(twice)} listed more than once; list each once"] if twice else []
+
+
 @dataclasses.dataclass
 class DemoConfig:
     """What ``raycurate demo`` runs after the shared data preparation."""
 
     methods: list[str] = option(["sft", "bridge", "p2d", "bilevel"], "Pipelines the demo runs and compares: sft "
                                 "(mixed vs clean SFT), bridge (BRIDGE + token baselines), p2d (head-guided selection "
-                                "+ sparse heads), bilevel (BDS weights, BMO regeneration, example-level baselines).",
-                                items=DEMO_METHODS)
+                                "+ sparse heads), bilevel (BDS weights, BMO regeneration, example-level baselines); "
+                                "[base] alone evaluates only the base model.", items=DEMO_METHODS)
+
+    def config_problems(self) -> list[str]:
+        """An empty or repeated method list (checked before anything runs)."""
+        if not self.methods:
+            return [f"demo.methods: empty; name at least one of {', '.join(DEMO_METHODS[1:])}, or [base] to "
+                    "evaluate only the base model"]
+        return _repeated("demo.methods", self.methods)
 
 
 @dataclasses.dataclass
@@ -97,6 +110,12 @@ class ProvingGroundConfig:
     pipeline: str = option("demo", "Pipeline each seed runs: demo (every method vs its baseline), curate (the "
                            "composition vs each single step at a matched token budget), or a single method.",
                            choices=tuple(p for p in PIPELINES if p != "proving_ground"))
+
+    def config_problems(self) -> list[str]:
+        """An empty or repeated seed list (checked before anything runs)."""
+        if not self.seeds:
+            return ["proving_ground.seeds: empty; give at least one corpus seed, e.g. [0, 1, 2]"]
+        return _repeated("proving_ground.seeds", self.seeds)
 
 
 @dataclasses.dataclass

@@ -32,6 +32,42 @@ def check_job_inputs(cfg: Any) -> None:
     check_model_source(cfg.model.name_or_path)
     if cfg.runs("p2d") and cfg.p2d.task_model:
         check_model_source(cfg.p2d.task_model, key="p2d.task_model")
+    check_split_sizes(cfg)
+
+
+EXACT_SPLIT_CHECK_ROWS = 20_000  # embedded corpora up to this size are generated to count their split exactly
+
+
+def check_split_sizes(cfg: Any) -> None:
+    """Fail before Ray starts when a split the job trains on cannot hold one effective batch.
+
+    With the embedded corpus (no ``data.input``) the rows and their split are known from the config: the corpus
+    is generated (0.4 s for 3,000 rows) and its ids assigned to splits as ingest will, which bounds each split
+    from above (ingest only rejects rows).  Checked: BRIDGE's warmup SFT on the ``warmup`` split.
+
+    Raises:
+        ConfigError: Naming the split, its row count, the batch size and the keys to change.
+    """
+    from raycurate.config.loader import ConfigError
+
+    if cfg.data.input_paths() or not cfg.runs("bridge") or "warmup" not in cfg.data.split_ratios \
+            or cfg.data.corpus_rows > EXACT_SPLIT_CHECK_ROWS:
+        return
+    from raycurate.data.corpus import generate_corpus
+    from raycurate.data.splits import SplitAssigner
+
+    assign = SplitAssigner(cfg.data.split_seed, cfg.data.split_ratios)
+    batch = cfg.train.effective_batch_size
+    seeds = cfg.proving_ground.seeds if cfg.pipeline == "proving_ground" else [cfg.data.corpus_seed]
+    for seed in seeds:
+        rows = generate_corpus(cfg.data.corpus_rows, seed=seed, corrupt_fraction=cfg.data.corrupt_fraction)
+        warmup = sum(assign(row["id"]) == "warmup" for row in rows)
+        if warmup < batch:
+            raise ConfigError("the job config", [
+                f"data.corpus_rows: the warmup split of BRIDGE's warmup SFT gets at most {warmup} of "
+                f"{cfg.data.corpus_rows} rows (corpus seed {seed}, data.split_ratios.warmup="
+                f"{cfg.data.split_ratios['warmup']}), fewer than one batch (train.effective_batch_size={batch}); "
+                "raise data.corpus_rows or the warmup share, or lower train.effective_batch_size"])
 
 
 def saved_config(cfg: Any) -> Any:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from raycurate.config.schema import DEMO_METHODS
 from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout
 from raycurate.pipelines.sft import write_report
 from raycurate.report.curation import record_curation
 
 log = logging.getLogger("raycurate")
 
-DEMO_METHODS = ("sft", "bridge", "p2d", "bilevel")
 LM_EVAL_MODELS = ("base", "mixed", "clean", "bridge", "p2d", "bilevel_bds", "bilevel_online")
 
 

@@ -152,14 +152,14 @@ def run_proving_ground(cfg: Any) -> dict:
     """Run ``proving_ground.pipeline`` for every seed of ``proving_ground.seeds`` and write the pooled summary
     (every evaluated model's per-question scores feed the comparisons); returns it."""
     from raycurate.pipelines import run_pipeline
+    from raycurate.pipelines.common import check_split_sizes
     from raycurate.report.curation import aligned_scores, evaluated_models, scores_by_metric
     from raycurate.rundir import atomic_write_text
     from raycurate.storage import is_uri
 
     if is_uri(cfg.run.runs_dir):
         raise ValueError("pipeline proving_ground writes its summary locally; give run.runs_dir a local folder")
-    if not cfg.proving_ground.seeds:
-        raise ValueError("proving_ground.seeds is empty; list the corpus seeds to run, e.g. [0, 1, 2]")
+    check_split_sizes(cfg)  # every seed's splits, before the first seed starts Ray
     per_seed, by_metric, budgets = {}, {}, {}
     for seed in cfg.proving_ground.seeds:
         child = seed_config(cfg, seed)
