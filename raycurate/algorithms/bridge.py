@@ -18,13 +18,16 @@ import torch
 from raycurate.algorithms.closure import final_answer_covered, project_response
 from raycurate.algorithms.routing import attention_for_layer, interaction_terms, routing_weights
 from raycurate.algorithms.selection import (
+    BUDGET_MODES,
     SelectionResult,
     budgets,
+    corpus_budgets,
     eligible_positions,
     fold_fixed_positions,
     knockout_update,
     select,
     to_row_masks,
+    top_b,
 )
 from raycurate.algorithms.token_utility import knockout_prompt_scores, token_utilities
 from raycurate.algorithms.units import spans_from_flat
@@ -48,11 +51,18 @@ class SelectionSettings:
     min_unit_tokens: int = 4
     fold_fixed_response: bool = False
     prompt_proxy: str = "routing"
+    budget: str = "per_example"
+    row_floor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prompt_proxy not in PROMPT_PROXIES:
             raise ValueError(f"prompt_proxy={self.prompt_proxy!r} is unknown; choose one of "
                              f"{', '.join(PROMPT_PROXIES)}")
+        if self.budget not in BUDGET_MODES:
+            raise ValueError(f"budget={self.budget!r} is unknown; choose one of {', '.join(BUDGET_MODES)}")
+        if not 0.0 <= self.row_floor <= self.rho_r:
+            raise ValueError(f"row_floor={self.row_floor!r} must lie in [0, rho_r={self.rho_r}]: it is the share of "
+                             "every row supervised before the corpus-wide allocation")
 
 
 def fixed_masks(prompt_len: int, n: int, prompt_offsets: Sequence[int],
@@ -174,25 +184,8 @@ def select_example(
                                                                  prompt_bias=bias)).u_sur[-1]
         for name in SCHEDULES
     } if len(prompt_idx) and len(response_idx) else {name: 0.0 for name in SCHEDULES}
-    response_mask = result.response_mask
-    closure_info = {"closure_fallback": True, "final_answer_kept": -1, "final_answer_kept_score_only": -1,
-                    "utility_retained": float("nan"), "closure_solver": "off"}
-    if settings.closure and len(response_idx):
-        eligible_offsets = spans_from_flat(row["response_offsets"])[np.asarray(response_idx) - p]  # (r, 2)
-        projected = project_response(
-            row["response"], row.get("domain"), eligible_offsets, result.response_scores, b_r,
-            token_mask=response_mask, max_unit_tokens=settings.max_unit_tokens,
-            min_unit_tokens=settings.min_unit_tokens, tau=settings.closure_tau, alpha=settings.closure_alpha,
-        )
-        score_only = final_answer_covered(response_mask, projected.units) if projected.units else None
-        response_mask = projected.mask
-        closure_info = {
-            "closure_fallback": bool(projected.fallback),
-            "final_answer_kept": int(projected.final_answer_kept) if projected.has_final_answer else -1,
-            "final_answer_kept_score_only": -1 if score_only is None else int(score_only),
-            "utility_retained": float(projected.utility_retained),
-            "closure_solver": projected.solver,
-        }
+    response_mask, closure_info = project_response_mask(row, response_idx, result.response_scores,
+                                                        result.response_mask, b_r, settings)
     prompt_keep, loss_mask = to_row_masks(n, p, prompt_idx, response_idx, result.prompt_mask, response_mask)
     return {
         "prompt_keep": prompt_keep.astype(np.int8),
@@ -206,6 +199,79 @@ def select_example(
         "rounds_run": int(result.rounds_run),
         **closure_info,
     }
+
+
+def project_response_mask(row: Mapping[str, Any], response_idx: np.ndarray, scores: np.ndarray,
+                          token_mask: np.ndarray, b_r: int,
+                          settings: SelectionSettings) -> tuple[np.ndarray, dict[str, Any]]:
+    """The closure projection of one row's response selection (or the token mask itself with closure off).
+
+    Args:
+        row: Token row with ``prompt_len``, ``response_offsets``, ``response`` and ``domain``.
+        response_idx: (r,) eligible response row positions.
+        scores: (r,) final conditional response scores.
+        token_mask: (r,) bool pre-projection selection with at most ``b_r`` positions.
+        b_r: Response budget.
+        settings: Closure options.
+
+    Returns:
+        ((r,) bool response mask, closure diagnostics: ``closure_fallback``, ``final_answer_kept``,
+        ``final_answer_kept_score_only``, ``utility_retained``, ``closure_solver``).
+    """
+    p = int(row["prompt_len"])
+    info = {"closure_fallback": True, "final_answer_kept": -1, "final_answer_kept_score_only": -1,
+            "utility_retained": float("nan"), "closure_solver": "off"}
+    if not settings.closure or not len(response_idx):
+        return np.asarray(token_mask, dtype=bool), info
+    eligible_offsets = spans_from_flat(row["response_offsets"])[np.asarray(response_idx) - p]  # (r, 2)
+    projected = project_response(
+        row["response"], row.get("domain"), eligible_offsets, scores, b_r,
+        token_mask=token_mask, max_unit_tokens=settings.max_unit_tokens,
+        min_unit_tokens=settings.min_unit_tokens, tau=settings.closure_tau, alpha=settings.closure_alpha,
+    )
+    score_only = final_answer_covered(token_mask, projected.units) if projected.units else None
+    return projected.mask, {
+        "closure_fallback": bool(projected.fallback),
+        "final_answer_kept": int(projected.final_answer_kept) if projected.has_final_answer else -1,
+        "final_answer_kept_score_only": -1 if score_only is None else int(score_only),
+        "utility_retained": float(projected.utility_retained),
+        "closure_solver": projected.solver,
+    }
+
+
+def corpus_response_masks(rows: Sequence[Mapping[str, Any]], response_scores: Sequence[np.ndarray],
+                          settings: SelectionSettings) -> list[dict[str, Any]]:
+    """``bridge.budget = corpus``: one response budget over all rows, allocated by the rows' final conditional
+    response scores (:func:`raycurate.algorithms.selection.corpus_budgets` at ``rho_r`` with ``row_floor``), then
+    each row's Top-b_i (and closure) at its own b_i.  The prompt selections are the per-example ones.
+
+    Args:
+        rows: Token rows (``input_ids``, ``prompt_len``, ``prompt_offsets``, ``response_offsets``, ``response``,
+            ``domain``), every row of the corpus (the allocation is global).
+        response_scores: per row the (r,) scores of its eligible response positions (``select_example``'s
+            ``response_scores``).
+        settings: rho_r, row_floor and the closure options.
+
+    Returns:
+        Per row ``response_mask`` (r,) bool over its eligible positions, ``b_r``, ``supervised_response`` and the
+        closure diagnostics of :func:`project_response_mask`.
+    """
+    if len(rows) != len(response_scores):
+        raise ValueError(f"{len(rows)} rows but {len(response_scores)} score arrays")
+    allotted = corpus_budgets(response_scores, settings.rho_r, settings.row_floor)
+    out = []
+    for row, scores, b in zip(rows, response_scores, allotted):
+        n, p = len(row["input_ids"]), int(row["prompt_len"])
+        fixed_prompt, fixed_response = fixed_masks(p, n, row["prompt_offsets"], row["response_offsets"])
+        _, response_idx = eligible_positions(n, p, bool(fixed_prompt[0]), fixed_prompt, fixed_response)
+        scores = np.asarray(scores, dtype=np.float64)
+        if scores.shape != response_idx.shape:
+            raise ValueError(f"row {row.get('id')}: {scores.shape[0]} response scores for {response_idx.shape[0]} "
+                             "eligible response positions; re-run bridge_select")
+        mask, info = project_response_mask(row, response_idx, scores, top_b(scores, int(b)), int(b), settings)
+        out.append({"response_mask": mask, "response_idx": response_idx, "b_r": int(b),
+                    "supervised_response": int(mask.sum()), **info})
+    return out
 
 
 def pad_rows(rows: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:

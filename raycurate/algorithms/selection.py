@@ -207,6 +207,55 @@ def top_b(scores: np.ndarray, b: int) -> np.ndarray:
     return mask
 
 
+BUDGET_MODES = ("per_example", "corpus")
+
+
+def corpus_budgets(scores: Sequence[np.ndarray], rho: float, floor: float = 0.0) -> np.ndarray:
+    """Per-row response budgets from ONE corpus-wide budget, allocated by score (beyond the paper).
+
+    The corpus budget is ``B = floor(rho * sum_i r_i + 0.5)`` over all rows' eligible response positions.  Row i
+    first gets its floor ``f_i = floor(floor * r_i)`` (its ``f_i`` best positions); the remaining ``B - sum f_i``
+    positions go to the highest scores among all rows' other positions, ties broken by (row, position).  So
+    ``sum_i b_i == B`` exactly, ``b_i >= f_i``, and within a row the selected positions are always a prefix of
+    its own ranking: rows whose tokens score low (hurt the validation direction) keep only their floor.
+
+    Args:
+        scores: one (r_i,) array of finite response scores per row (e.g. ``Delta_r(. | S_p)``), comparable
+            across rows (the same scoring direction).
+        rho: corpus-wide response supervision ratio in [0, 1].
+        floor: per-row minimum share in [0, rho] (0: a row may get nothing).
+
+    Returns:
+        (rows,) int64 budgets b_i with ``0 <= f_i <= b_i <= r_i``.
+    """
+    if not 0.0 <= float(floor) <= float(rho) <= 1.0:
+        raise ValueError(f"need 0 <= floor <= rho <= 1 (got floor={floor!r}, rho={rho!r}); the floor is the share "
+                         "of every row kept before the corpus-wide allocation")
+    arrays = [np.asarray(x, dtype=np.float64).reshape(-1) for x in scores]
+    sizes = np.array([a.size for a in arrays], dtype=np.int64)  # (rows,)
+    if any(not np.all(np.isfinite(a)) for a in arrays):
+        raise ValueError("corpus_budgets needs finite scores; re-run bridge_score")
+    total = _budget(int(sizes.sum()), rho, "response")
+    floors = np.floor(float(floor) * sizes + 1e-9).astype(np.int64)  # sum floors <= floor * sum r <= B
+    rest = total - int(floors.sum())
+    budgets_out = floors.copy()
+    if rest <= 0 or not arrays:
+        return budgets_out
+    cand_scores, cand_rows = [], []
+    for i, a in enumerate(arrays):
+        ranked = np.argsort(-a, kind="stable")  # the row's own ranking (ties by position)
+        tail = a[ranked[floors[i]:]]  # (r_i - f_i,) non-increasing
+        cand_scores.append(tail)
+        cand_rows.append(np.full(tail.size, i, dtype=np.int64))
+    pool_scores = np.concatenate(cand_scores)
+    pool_rows = np.concatenate(cand_rows)
+    # Stable descending sort keeps (row, rank within row) order among equal scores; a row's candidates are
+    # non-increasing, so any top-k of the pool takes a prefix of each row's tail.
+    taken = pool_rows[np.argsort(-pool_scores, kind="stable")[:rest]]
+    budgets_out += np.bincount(taken, minlength=len(arrays))
+    return budgets_out
+
+
 def surrogate_utility(
     S_p: np.ndarray,
     S_r: np.ndarray,

@@ -16,6 +16,14 @@ class BridgeConfig:
     rho_p: float = option(0.75, "Share of eligible prompt tokens kept (b_p = round(rho_p * eligible)).", gt=0, le=1)
     rho_r: float = option(0.75, "Share of eligible response tokens supervised (b_r = round(rho_r * eligible)).",
                           gt=0, le=1)
+    budget: str = option(
+        "per_example", "Response budget: per_example (paper: b_r = round(rho_r * eligible) in every row) or corpus "
+        "(beyond the paper: one budget round(rho_r * all eligible response tokens), allocated across rows by the "
+        "same conditional scores, so low-scoring rows get few or none; docs/bridge.md).",
+        choices=("per_example", "corpus"),
+    )
+    row_floor: float = option(0.0, "budget=corpus: share of every row's eligible response tokens supervised before "
+                              "the corpus-wide allocation (0 <= row_floor <= rho_r).", ge=0, le=1)
     schedule: str = option("alternating", "Selection schedule.", choices=("independent", "one_pass", "alternating"))
     rounds: int = option(4, "Alternating rounds T (alternating schedule only).", ge=1)
     lam: float = option(0.2, "Anchor weight lambda in v = (1-lambda) g_target/|g| + lambda g_anchor/|g|.", ge=0, le=1)

@@ -321,14 +321,57 @@ def select_stage(run: RunDir, *, score_stage_name: str, bridge_cfg: Any, pool_cf
                                     shard_rows=pool_cfg.shard_rows, num_actors=pool.num_actors,
                                     num_cpus_per_actor=pool.num_cpus, num_gpus_per_actor=0,
                                     batch_rows=pool.batch_size, progress=progress, in_process=actors == 0)
+        if settings.budget == "corpus":
+            apply_corpus_budget(scratch / SHARDS_DIR, settings)
         os.replace(scratch / SHARDS_DIR, out / "selection")
         metrics = selection_summary(out / "selection")
+        metrics["budget"] = settings.budget
         metrics["shards"] = {k: v for k, v in shard_metrics.items() if not isinstance(v, (list, dict))}
         metrics["select_actors"] = actors
         return StageOutput(outputs={"selection": "selection"}, metrics=metrics)
 
     return run_stage(run, stage, body, config={"settings": dataclasses.asdict(settings)},
                      upstream=[score_stage_name], force=force)
+
+
+#: Selection columns that :func:`apply_corpus_budget` rewrites (the response side; the prompt side stays).
+CORPUS_BUDGET_COLUMNS = ("loss_mask", "b_r", "supervised_response", "closure_fallback", "final_answer_kept",
+                         "final_answer_kept_score_only", "utility_retained", "closure_solver")
+
+
+def apply_corpus_budget(selection_dir: Path, settings: Any) -> dict:
+    """``bridge.budget = corpus``: re-allocate the response budget of the per-example selections in
+    ``selection_dir`` (every part, rewritten in place) over the whole corpus by their stored conditional response
+    scores (:func:`raycurate.algorithms.bridge.corpus_response_masks`).  Runs in the driver after the shards:
+    the allocation needs every row's scores (one float32 per eligible response token)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raycurate.algorithms.bridge import corpus_response_masks
+
+    parts = sorted(Path(selection_dir).glob("*.parquet"))
+    tables = [pq.read_table(part) for part in parts]
+    columns = ["id", *SELECT_INPUT_COLUMNS, "sel_response_scores", "sel_loss_mask"]
+    rows = [r for t in tables for r in t.select(columns).to_pylist()]
+    results = corpus_response_masks(rows, [np.asarray(r["sel_response_scores"]) for r in rows], settings)
+    start = 0
+    for part, table in zip(parts, tables):
+        chunk = results[start:start + table.num_rows]
+        chunk_rows = rows[start:start + table.num_rows]
+        start += table.num_rows
+        loss = []
+        for row, res in zip(chunk_rows, chunk):
+            mask = np.asarray(row["sel_loss_mask"], dtype=np.int8)
+            mask[res["response_idx"]] = res["response_mask"]
+            loss.append(mask)
+        values = {"loss_mask": loss, **{k: [res[k] for res in chunk] for k in CORPUS_BUDGET_COLUMNS[1:]}}
+        for name in CORPUS_BUDGET_COLUMNS:
+            index = table.schema.get_field_index(f"sel_{name}")
+            data = [v.tolist() if hasattr(v, "tolist") else v for v in values[name]]
+            table = table.set_column(index, f"sel_{name}", pa.array(data, type=_arrow_type(SELECTION_COLUMNS[name])))
+        pq.write_table(table, part)
+    return {"rows": len(rows), "supervised": sum(r["supervised_response"] for r in results)}
 
 
 def response_totals(run: RunDir, select_stage_name: str) -> dict[str, int]:
