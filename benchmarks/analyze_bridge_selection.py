@@ -13,7 +13,8 @@ Tables (issue #26):
 2. per corruption kind: rows, kept share of eligible response tokens under BRIDGE and random, mean row utility,
    share of rows with a negative utility sum;
 3. prompt side: kept share of relevant-sentence / distractor-sentence / other prompt tokens, digits and names;
-4. held-out failures per ``eval_*`` stage: right, wrong ``####`` answer, no ``####``, empty;
+4. held-out failures per ``eval_*`` stage: right, wrong ``####`` answer, no ``####``, empty, and the share of
+   equation operands that are neither in the question nor an earlier result (made-up numbers);
 5. closure at other budgets: supervision rate of ``####`` / answer / digits and final-answer coverage when the
    stored scores are re-selected at ``--rhos`` with and without closure (first ``--rows`` math rows).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -223,10 +225,32 @@ def prompt_table(rows: list[dict], random_masks: list[np.ndarray], prefix: str =
     return [[k, count[k], fmt(bridge[k] / count[k]), fmt(rand[k] / count[k])] for k in sorted(count)]
 
 
+EQUATION = re.compile(r"(\d+)\s*[-+*/x×]\s*(\d+)\s*=\s*(\d+)")
+
+
+def ungrounded_operands(prompt: str, generated: str) -> tuple[int, int]:
+    """(operands, operands that are neither a number of the prompt nor an earlier equation's result) of the
+    ``a op b = c`` equations in a generation: numbers the model made up instead of reading them."""
+    known = set(re.findall(r"\d+", prompt))
+    total = bad = 0
+    for a, b, c in EQUATION.findall(generated.split("####")[0]):
+        for x in (a, b):
+            total += 1
+            bad += x not in known
+        known.add(c)
+    return total, bad
+
+
 def failure_table(run: Path) -> list[list]:
     """Table 4 rows: greedy held-out outcome shares per eval stage (and sampled exact match when stored)."""
     import pyarrow.parquet as pq
 
+    prompts = {}
+    heldout = run / "corpus" / "heldout.jsonl"
+    if heldout.exists():
+        for line in heldout.read_text().splitlines():
+            record = json.loads(line)
+            prompts[record["id"]] = record["prompt"]
     out = []
     for folder in sorted(run.glob("eval_*")):
         path = folder / "predictions.parquet"
@@ -236,10 +260,13 @@ def failure_table(run: Path) -> list[list]:
         n = len(preds)
         right = sum(bool(p["correct"]) for p in preds)
         has = sum(bool(p["has_final_answer"]) for p in preds)
-        empty = sum(not str(p.get("generated") or p.get("prediction") or "").strip() for p in preds)
+        empty = sum(not str(p.get("generated") or "").strip() for p in preds)
         sampled = (sum(p["sampled_accuracy"] for p in preds) / n) if preds and "sampled_accuracy" in preds[0] else None
+        counts = [ungrounded_operands(prompts[p["id"]], p.get("generated") or "") for p in preds if p["id"] in prompts]
+        operands = sum(c[0] for c in counts)
+        ungrounded = sum(c[1] for c in counts) / operands if operands else None
         out.append([folder.name, n, fmt(right / n), fmt((has - right) / n), fmt((n - has) / n), fmt(empty / n),
-                    fmt(sampled)])
+                    fmt(ungrounded), fmt(sampled)])
     return out
 
 
@@ -330,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table("Prompt tokens kept (math rows; question = the last relevant sentence)",
                 ["role / kind", "tokens", "BRIDGE kept", "random kept"], prompt_table(rows, rand))
     print_table("Held-out greedy outcomes", ["stage", "questions", "right", "wrong #### answer", "no ####",
-                                             "empty", "sampled EM"], failure_table(run))
+                                             "empty", "made-up operands", "sampled EM"], failure_table(run))
     print_table(f"Re-selection at other response budgets (first {args.rows} math rows, rho_p={rho_p})",
                 ["rho_r", "closure", "rows", "####", "answer", "digit", "operator", "name", "word",
                  "#### + answer all supervised"], closure_table(rows, score_rows, settings, args.rhos, args.rows))
