@@ -246,6 +246,15 @@ class _Counts:
     by_domain: Counter = field(default_factory=Counter)
 
 
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def _one_json_line(entry: dict[str, Any]) -> str:
+    """``entry`` as JSON on one physical line for every reader: the Unicode line breaks JSON leaves raw inside
+    strings (U+2028, U+2029, U+0085, which ``str.splitlines`` splits on) are escaped too."""
+    return json.dumps(entry, ensure_ascii=False).translate(_LINE_BREAKS)
+
+
 class _Ingest:
     """State of one ingest run: counters, writers and the seen-id set."""
 
@@ -265,7 +274,7 @@ class _Ingest:
             raise DataValidationError(raw.source, raw.line, field_name, reason, detail)
         self.counts.rejected_by_reason[reason] += 1
         entry = rejected_row(raw.source, raw.line, reason, field_name, detail, raw_text(raw))
-        self.rejected_fh.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self.rejected_fh.write(_one_json_line(entry) + "\n")
 
     def process(self, raw: RawRow, split_of: Any) -> None:
         self.counts.input += 1
