@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--system-prompt", default="default",
                         help="tokenize.system_prompt of the rows: default (the template's), none, or the text")
     parser.add_argument("--progress-every", type=int, default=10, help="a progress line every N items (0: none)")
+    parser.add_argument("--induction-episodes", type=int, default=60,
+                        help="word-mapping episodes of the induction check (10 chat rows each; 0: skip it)")
     parser.add_argument("--corpus-rows", type=int, default=3000)
     parser.add_argument("--corpus-seed", type=int, default=7)
     parser.add_argument("--corrupt-fraction", type=float, default=0.3)
@@ -279,10 +281,12 @@ def main(argv: list[str] | None = None) -> dict:
           f"{with_bad.mean():.4f} ({len(zero)} queries); knock-out increase relevant "
           f"{result['knockout_increase_relevant']:.4f} vs distractor {result['knockout_increase_distractor']:.4f} "
           f"({len(knock)} rows, {args.knockout})")
-    result["induction_seen_key_loss"], result["induction_new_key_loss"] = induction_check(model, tokenizer,
-                                                                                         args.system_prompt)
-    print(f"induction check (word-mapping episodes): response loss {result['induction_seen_key_loss']:.4f} when the "
-          f"key appeared earlier vs {result['induction_new_key_loss']:.4f} when new")
+    if args.induction_episodes > 0:
+        result["induction_seen_key_loss"], result["induction_new_key_loss"] = induction_check(
+            model, tokenizer, args.system_prompt, n_episodes=args.induction_episodes)
+        print(f"induction check ({args.induction_episodes} word-mapping episodes): response loss "
+              f"{result['induction_seen_key_loss']:.4f} when the key appeared earlier vs "
+              f"{result['induction_new_key_loss']:.4f} when new")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     sys.stdout.flush()
