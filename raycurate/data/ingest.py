@@ -97,6 +97,17 @@ def _json_encode(value: Any) -> str | None:
     return None if value is None else json.dumps(value, ensure_ascii=False, default=str)
 
 
+def _parquet_writable(tp: Any) -> bool:
+    """Whether parquet can store arrow type ``tp``: not a struct without fields (from ``{}``), at any depth."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(tp):
+        return tp.num_fields > 0 and all(_parquet_writable(tp.field(i).type) for i in range(tp.num_fields))
+    if pa.types.is_list(tp) or pa.types.is_large_list(tp) or pa.types.is_fixed_size_list(tp):
+        return _parquet_writable(tp.value_type)
+    return True
+
+
 class _ShardWriter:
     """Buffers accepted rows and writes parquet shards under temporary names; :meth:`finalize` publishes them."""
 
@@ -123,9 +134,12 @@ class _ShardWriter:
             return pa.array(values, type=self._core[name])
         if name not in self.json_columns:
             try:
-                return pa.array(values)
+                array = pa.array(values)
+                if _parquet_writable(array.type):
+                    return array
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
-                self.json_columns.append(name)
+                pass
+            self.json_columns.append(name)
         encoded.add(name)
         return pa.array([_json_encode(v) for v in values], type=pa.string())
 
