@@ -10,9 +10,11 @@
     scores = raycurate.evaluate(model, heldout)             # held-out exact match, gold loss
 
 Every call works in a *workspace*: a run directory (``workdir=``; by default the workspace of the result it is
-given, else a fresh temporary folder).  In it the call runs the existing stages exactly as the pipelines do, so a
-stage whose config hash is unchanged and whose outputs exist is skipped on a re-run (``run={"force": [...]}``
-re-runs one), and ``raycurate inspect`` / ``raycurate report`` work on it.  Each call returns a :class:`Result`
+given, else a fresh temporary folder in ``$TMPDIR``, deleted when the last result made in it is garbage-collected or
+at interpreter exit -- pass ``workdir=`` to keep one). One call at a time per workspace: a second thread or process
+gets a "run directory ... is in use" error. In it the call runs the existing stages exactly as the pipelines do, so
+a stage whose config hash is unchanged and whose outputs exist is skipped on a re-run (``run={"force": [...]}``
+re-runs one), and ``raycurate inspect`` / ``raycurate report`` work on it. Each call returns a :class:`Result`
 naming the stage output it produced; ``.table`` (pyarrow) and ``.dataset`` (``ray.data.Dataset``) read it, and a
 result is the ``data`` argument of the next call (no re-ingest: it continues in the same workspace).
 
