@@ -161,5 +161,10 @@ def test_worker_threads_follow_the_reserved_cpus_unless_set():
     assert worker_threads(None, 0.95) == 1  # a fractional reservation still gets one thread
     assert worker_threads(None, 4.0) == 4
     assert worker_threads(3, 0.95) == 3
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert worker_threads(0, 0.95) == cores
+
+
+@pytest.mark.parametrize("load, expected", [(0.0, 4), (0.4, 4), (1.6, 2), (3.5, 1), (9.0, 1)])
+def test_threads_zero_take_the_idle_cores_when_the_worker_starts(monkeypatch, load, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    assert worker_threads(0, 0.95) == expected

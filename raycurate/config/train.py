@@ -41,9 +41,10 @@ class TrainConfig:
         None, "CPUs reserved per worker; null sizes it from the cluster so the pool fits beside the driver.", gt=0
     )
     threads_per_worker: int | None = option(
-        None, "torch CPU threads per worker: null = its reserved CPUs (at least 1); 0 = every core of its node, for "
-        "jobs that train one stage at a time on one machine (the laptop demo: 1.8x faster steps on 2 cores than 1 "
-        "thread); Ray's reservation stays cpus_per_worker either way.", ge=0
+        None, "torch CPU threads per worker: null = its reserved CPUs (at least 1); 0 = the node's idle cores when the "
+        "worker starts (cores minus the 1-minute load average, at least 1), for jobs that train one stage at a time "
+        "on one machine (the laptop demo: 1.8x faster steps on 2 idle cores than 1 thread; more threads than idle "
+        "cores collapse on shared cores); Ray's reservation stays cpus_per_worker either way.", ge=0
     )
     use_gpu: bool | None = option(None, "Train on GPUs (one per worker); null = yes iff the Ray cluster has GPUs.")
     adapter: str = option(

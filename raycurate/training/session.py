@@ -97,12 +97,27 @@ def prepare_worker(job: Any) -> None:
 
 def worker_threads(threads_per_worker: int | None, cpus_per_worker: float) -> int:
     """torch threads of a CPU worker: ``threads_per_worker``, with None = its reserved CPUs (at least 1) and 0 =
-    every core this process may run on."""
+    the cores this process may run on that are idle when it starts (:func:`idle_cores`)."""
     if threads_per_worker is None:
         return max(1, int(cpus_per_worker))
     if threads_per_worker == 0:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return idle_cores()
     return threads_per_worker
+
+
+def idle_cores() -> int:
+    """Usable cores minus the 1-minute load average (rounded), at least 1.
+
+    Why not every core: torch's intra-op threads spin and wait for each other, so on shared cores a step with more
+    threads than idle cores collapses (a LoRA step on 2 cores at load ~8: 2 threads 21x slower than 1,
+    ``benchmarks/bench_cpu_precision.py``), while on idle cores 2 threads are ~1.8x faster than 1.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform: assume idle
+        load = 0.0
+    return max(1, min(cores, int(round(cores - load))))
 
 
 def maybe_inject_fault(session: TrainSession, step: int) -> None:
