@@ -232,6 +232,10 @@ CASES = [
          says=("job.yaml", "mapping", "list")),
     Case("yaml_syntax_error", ("run", "{in}/job.yaml"), _files(**{"job.yaml": "pipeline: [sft\n"}),
          says=("job.yaml", "not valid YAML")),
+    Case("yaml_impossible_date", ("run", "{in}/job.yaml"), _files(**{"job.yaml": "pipeline: sft\nx: 0000-00-00\n"}),
+         says=("job.yaml", "not valid YAML", "year 0")),  # found by tests/test_fuzz_inputs.py
+    Case("override_impossible_date", ("demo", "--out", OUT, "run.name=2024-02-30"),
+         says=("run.name", "not valid YAML", "quote it")),
     Case("override_without_equals", ("run", "{in}/job.yaml", "trainlr"), _files(**{"job.yaml": "pipeline: sft\n"}),
          says=("'trainlr'", "key=value")),
     Case("override_value_not_yaml", ("demo", "--out", OUT, "bridge.baselines=[random"),

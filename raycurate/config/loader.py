@@ -249,7 +249,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError("command line", [f"{text!r}: empty key; overrides look like section.key=value"])
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError, OverflowError) as exc:  # ValueError: a date-like value such as 0000-00-00
         detail = str(exc).replace("\n", " ")
         raise ConfigError("command line", [f"{key.strip()}: value {raw!r} is not valid YAML ({detail}); quote it"]) \
             from None
@@ -277,11 +277,11 @@ def read_yaml(path: str | Path) -> dict:
         raise FileNotFoundError(f"config file {path} does not exist; see jobs/ for examples")
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
+    except (UnicodeDecodeError, IsADirectoryError, PermissionError) as exc:  # before ValueError: a subclass
+        raise ConfigError(str(path), [f"cannot be read as a YAML text file ({exc}); pass a job YAML file"]) from None
+    except (yaml.YAMLError, ValueError, OverflowError) as exc:  # ValueError: a date-like value such as 0000-00-00
         detail = " ".join(str(exc).split())
         raise ConfigError(str(path), [f"not valid YAML: {detail}"]) from None
-    except (UnicodeDecodeError, IsADirectoryError, PermissionError) as exc:
-        raise ConfigError(str(path), [f"cannot be read as a YAML text file ({exc}); pass a job YAML file"]) from None
     if not isinstance(data, dict):
         raise ConfigError(str(path), [f"top level must be a mapping of sections (pipeline:, data:, train: ...), "
                                       f"got a {type(data).__name__}; see jobs/*.yaml"])
