@@ -303,6 +303,7 @@ def test_fuzz_fast(surface):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_fuzz_slow():
     """>= 5,000 generated inputs across readers, config and API rows."""
     total = collections.Counter()
