@@ -107,7 +107,7 @@ def test_tokenize_in_the_driver_writes_what_the_actor_pool_writes(ray_local, tmp
     # max_length 160 rejects the longest corpus rows, so both paths must also agree on rejected.jsonl
     cfg = from_dict(JobConfig, {"run": {"name": "tok", "runs_dir": str(tmp_path), "progress": False},
                                 "data": {"corpus_rows": 80, "heldout_rows": 10, "max_length": 160},
-                                "tokenize": {"batch_size": 16}})
+                                "tokenize": {"batch_size": 16}, "demo": {"methods": ["sft"]}})
     try:
         run = open_run(cfg)
         local = prepare_data(run, cfg)["tokenize"]
