@@ -128,3 +128,35 @@ def test_select_stage_rewrite_meets_the_corpus_budget_on_token_rows(tmp_path):
         assert r["sel_loss_mask"][:p] == [0] * p and r["sel_loss_mask"][-1] == 1
         assert sum(r["sel_loss_mask"]) - r["sel_supervised_response"] == sum(before["loss_mask"]) - before[
             "supervised_response"]  # the fixed positions
+
+
+def test_supervise_first_swaps_in_the_leading_positions_by_hand():
+    from raycurate.algorithms.selection import supervise_first
+
+    mask = np.array([False, True, True, False, True, True])
+    scores = np.array([0.0, 5.0, 1.0, 9.0, 1.0, -2.0])
+    # position 0 replaces the lowest-scoring selected one outside the lead: 5 (score -2)
+    assert supervise_first(mask, scores, 1).tolist() == [True, True, True, False, True, False]
+    # protecting position 5: the next lowest are 2 and 4 (score 1); the later one (4) goes first
+    protected = np.array([False, False, False, False, False, True])
+    assert supervise_first(mask, scores, 1, protected).tolist() == [True, True, True, False, False, True]
+    # k = 0 and an already supervised lead change nothing; the size is always kept
+    assert supervise_first(mask, scores, 0).tolist() == mask.tolist()
+    assert supervise_first(mask, scores, 3).sum() == mask.sum()
+    # nothing outside the lead to swap out: the lead stays partly out rather than growing the selection
+    assert supervise_first(np.array([False, True]), np.array([0.0, 1.0]), 2).tolist() == [False, True]
+    assert supervise_first(np.array([False, False]), np.array([0.0, 1.0]), 1).tolist() == [False, False]
+
+
+def test_first_tokens_setting_supervises_the_first_token_and_keeps_the_answer_line():
+    row = _row(0)
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        utilities = np.concatenate([np.zeros(5), rng.normal(size=6)])
+        utilities[5] = -50.0  # the first response token scores lowest: without the setting it is never supervised
+        args = (utilities, rng.random((6, 5)) * 0.1, rng.random(6) * 0.3, row)
+        off = select_example(*args, SelectionSettings(rho_r=0.5))
+        on = select_example(*args, SelectionSettings(rho_r=0.5, first_tokens=1))
+        assert off["loss_mask"][5] == 0 and on["loss_mask"][5] == 1
+        assert on["supervised_response"] == off["supervised_response"] == 2
+        assert on["loss_mask"][8] == 1  # the "#### 1" token (final-answer line) stays

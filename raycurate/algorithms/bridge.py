@@ -26,6 +26,7 @@ from raycurate.algorithms.selection import (
     fold_fixed_positions,
     knockout_update,
     select,
+    supervise_first,
     to_row_masks,
     top_b,
 )
@@ -53,6 +54,7 @@ class SelectionSettings:
     prompt_proxy: str = "routing"
     budget: str = "per_example"
     row_floor: float = 0.0
+    first_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_proxy not in PROMPT_PROXIES:
@@ -222,7 +224,7 @@ def project_response_mask(row: Mapping[str, Any], response_idx: np.ndarray, scor
     info = {"closure_fallback": True, "final_answer_kept": -1, "final_answer_kept_score_only": -1,
             "utility_retained": float("nan"), "closure_solver": "off"}
     if not settings.closure or not len(response_idx):
-        return np.asarray(token_mask, dtype=bool), info
+        return _first_tokens(row, response_idx, scores, np.asarray(token_mask, dtype=bool), settings), info
     eligible_offsets = spans_from_flat(row["response_offsets"])[np.asarray(response_idx) - p]  # (r, 2)
     projected = project_response(
         row["response"], row.get("domain"), eligible_offsets, scores, b_r,
@@ -230,13 +232,26 @@ def project_response_mask(row: Mapping[str, Any], response_idx: np.ndarray, scor
         min_unit_tokens=settings.min_unit_tokens, tau=settings.closure_tau, alpha=settings.closure_alpha,
     )
     score_only = final_answer_covered(token_mask, projected.units) if projected.units else None
-    return projected.mask, {
+    return _first_tokens(row, response_idx, scores, projected.mask, settings), {
         "closure_fallback": bool(projected.fallback),
         "final_answer_kept": int(projected.final_answer_kept) if projected.has_final_answer else -1,
         "final_answer_kept_score_only": -1 if score_only is None else int(score_only),
         "utility_retained": float(projected.utility_retained),
         "closure_solver": projected.solver,
     }
+
+
+def _first_tokens(row: Mapping[str, Any], response_idx: np.ndarray, scores: np.ndarray, mask: np.ndarray,
+                  settings: SelectionSettings) -> np.ndarray:
+    """``settings.first_tokens``: the row's first eligible response tokens swapped into ``mask`` (same size); the
+    final-answer line (from the last ``####`` on) is never swapped out."""
+    if settings.first_tokens <= 0 or not len(response_idx):
+        return mask
+    p = int(row["prompt_len"])
+    starts = spans_from_flat(row["response_offsets"])[np.asarray(response_idx) - p][:, 0]  # (r,)
+    marker = str(row.get("response") or "").rfind("####")
+    protected = starts >= marker if marker >= 0 else None
+    return supervise_first(mask, scores, settings.first_tokens, protected)
 
 
 def corpus_response_masks(rows: Sequence[Mapping[str, Any]], response_scores: Sequence[np.ndarray],

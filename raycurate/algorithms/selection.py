@@ -256,6 +256,41 @@ def corpus_budgets(scores: Sequence[np.ndarray], rho: float, floor: float = 0.0)
     return budgets_out
 
 
+def supervise_first(mask: np.ndarray, scores: np.ndarray, k: int, protected: np.ndarray | None = None) -> np.ndarray:
+    """Swap the first ``k`` positions into a response selection, keeping its size (beyond the paper, issue #26).
+
+    Every position among the first ``k`` that ``mask`` lacks replaces the lowest-scoring selected position outside
+    the first ``k`` and outside ``protected`` (ties: the later position goes first).  When no such position is
+    left, the remaining first positions stay out, so ``mask.sum()`` never changes.
+
+    Args:
+        mask: (r,) bool selection over the eligible response positions.
+        scores: (r,) finite scores of those positions.
+        k: how many leading positions to supervise, >= 0.
+        protected: optional (r,) bool, selected positions never swapped out (e.g. the final-answer line).
+
+    Returns:
+        A new (r,) bool mask with the same number of positions.
+    """
+    out = np.asarray(mask, dtype=bool).copy()
+    scores = np.asarray(scores, dtype=np.float64)
+    if isinstance(k, bool) or int(k) != k or k < 0:
+        raise ValueError(f"k must be a non-negative integer, got {k!r}")
+    if out.shape != scores.shape:
+        raise ValueError(f"mask {out.shape} and scores {scores.shape} must both be (r,)")
+    lead = np.zeros(out.shape[0], dtype=bool)
+    lead[:int(k)] = True
+    keep = lead.copy() if protected is None else lead | np.asarray(protected, dtype=bool)
+    missing = np.flatnonzero(lead & ~out)
+    donors = np.flatnonzero(out & ~keep)
+    # lowest score first; among equal scores the later position first
+    donors = donors[np.lexsort((-donors, scores[donors]))]
+    swap = min(missing.size, donors.size)
+    out[missing[:swap]] = True
+    out[donors[:swap]] = False
+    return out
+
+
 def surrogate_utility(
     S_p: np.ndarray,
     S_r: np.ndarray,

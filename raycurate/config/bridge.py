@@ -24,6 +24,11 @@ class BridgeConfig:
     )
     row_floor: float = option(0.0, "budget=corpus: share of every row's eligible response tokens supervised before "
                               "the corpus-wide allocation (0 <= row_floor <= rho_r).", ge=0, le=1)
+    first_tokens: int = option(
+        0, "Beyond the paper: supervise every row's first N eligible response tokens (swapped in for the lowest-"
+        "scoring selected ones, so the budget is unchanged; the final-answer line is never swapped out). The first "
+        "token decides which kind of answer the model starts (issue #26, docs/bridge.md).", ge=0,
+    )
     schedule: str = option("alternating", "Selection schedule.", choices=("independent", "one_pass", "alternating"))
     rounds: int = option(4, "Alternating rounds T (alternating schedule only).", ge=1)
     lam: float = option(0.2, "Anchor weight lambda in v = (1-lambda) g_target/|g| + lambda g_anchor/|g|.", ge=0, le=1)
