@@ -10,8 +10,9 @@ Tables (issue #26):
 1. per response token type (fixed EOS / end-of-turn, ``####``, final answer, digits, operators, newline,
    capitalised names, other words, punctuation): tokens, supervision rate under BRIDGE and random, mean utility
    a_j and its share of the total |a| mass (is the validation direction dominated by a few types?);
-2. per corruption kind: rows, kept share of eligible response tokens under BRIDGE and random, mean row utility,
-   share of rows with a negative utility sum;
+2. the first response token's supervision rate by domain (a math row whose first token is left out teaches
+   nothing about how a math answer starts); per corruption kind: rows, kept share of eligible response tokens
+   under BRIDGE and random, mean row utility, share of rows with a negative utility sum;
 3. prompt side: kept share of relevant-sentence / distractor-sentence / other prompt tokens, digits and names;
 4. held-out failures per ``eval_*`` stage: right, wrong ``####`` answer, no ``####``, empty, and the share of
    equation operands that are neither in the question nor an earlier result (made-up numbers);
@@ -193,6 +194,24 @@ def corruption_table(rows: list[dict], utilities: dict[str, np.ndarray], random_
     return out
 
 
+def first_token_table(rows: list[dict], random_masks: list[np.ndarray], prefix: str = "sel") -> list[list]:
+    """Supervision rate of each row's first eligible response token (it decides which kind of answer the model
+    starts: a math sentence, ``def``, a list item), by domain."""
+    acc: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for r, rm in zip(rows, random_masks):
+        p = int(r["prompt_len"])
+        starts = np.asarray(r["response_offsets"], dtype=np.int64).reshape(-1, 2)[:, 0]
+        eligible = np.flatnonzero(starts >= 0)
+        if not eligible.size:
+            continue
+        j = p + int(eligible[0])
+        a = acc[r["domain"]]
+        a[0] += 1
+        a[1] += int(r[f"{prefix}_loss_mask"][j])
+        a[2] += int(rm[1][j])
+    return [[d, a[0], fmt(a[1] / a[0]), fmt(a[2] / a[0])] for d, a in sorted(acc.items())]
+
+
 def prompt_table(rows: list[dict], random_masks: list[np.ndarray], prefix: str = "sel") -> list[list]:
     """Table 3 rows: kept share of prompt tokens by sentence role (math rows) and by token kind."""
     count = defaultdict(int)
@@ -351,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table("Response tokens by type, math rows", header, type_table(rows, utilities, rand, {"math"}))
     print_table("Response tokens by type, code + instruction rows", header,
                 type_table(rows, utilities, rand, {"code", "instruction"}))
+    print_table("First response token supervised, by domain", ["domain", "rows", "BRIDGE", "random"],
+                first_token_table(rows, rand))
     print_table("Kept share of eligible response tokens by corruption kind",
                 ["corruption", "rows", "BRIDGE kept", "random kept", "mean a_j of the row", "rows with sum a < 0"],
                 corruption_table(rows, utilities, rand))
