@@ -1,0 +1,352 @@
+#!/usr/bin/env python
+"""Node loss on a multi-node Ray cluster on this machine: a worker node dies during BRIDGE scoring or SFT.
+
+Usage::
+
+    .venv/bin/python scripts/node_loss.py scoring  --out /tmp/node_loss_scoring
+    .venv/bin/python scripts/node_loss.py training --out /tmp/node_loss_training
+
+Each scenario starts a :class:`ray.cluster_utils.Cluster` on loopback: a head node with 0 CPUs (the driver, the
+GCS and Ray Train's controller, which Ray pins to the driver's node) and two worker nodes with 1 CPU each, so every
+actor and Ray Train worker runs on a worker node.  It runs the stage twice with the committed embedded model:
+
+* ``baseline/``: uninterrupted;
+* ``killed/``: the stage's code holds at a known point and writes ``hold.json`` (its node id and pid); a driver
+  thread waits for that file and removes that worker node (SIGKILL of its raylet, object store and workers:
+  ``Cluster.remove_node(node, allow_graceful=False)``).  Nothing else differs between the two runs.
+
+``scoring``: ``bridge_score`` (:func:`raycurate.stages.bridge.score_stage`, a :func:`~raycurate.stages.sharded.
+sharded_map` actor pool of 1 actor, 4 shards of 2 rows) holds in its 2nd UDF call (shard 1; shard 0 is written).
+Ray restarts the actor on the other node (``max_restarts``) and retries its queued shard tasks
+(``max_task_retries``); the stage finishes in the same call.
+
+``training``: ``run_sft`` (``train.launcher=ray_train``, 1 DDP worker, 4 steps, a checkpoint every 2 steps,
+``train.max_failures=1``) holds after step 3, once the step-2 checkpoint is committed.  Ray Train's
+``FailureConfig`` restarts the worker group on the other node, which resumes from the step-2 checkpoint.
+
+Writes ``<out>/summary.json`` (timings, which node ran what, the killed node) and prints it;
+``tests/test_node_loss.py`` runs this script and compares ``killed/`` with ``baseline/`` file by file.
+Node death is detected by the GCS health check, shortened here to ~1 s (``HEALTH_CHECK``); Ray's defaults take
+longer to declare a node dead, and the recovery waits for that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from raycurate.stages.bridge import BridgeScoreUDF
+
+HOLD_SECONDS = 300  # a held call sleeps this long; the node is removed long before (or the run fails loudly)
+HEALTH_CHECK = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_timeout_ms": 500,
+                "health_check_failure_threshold": 2}
+SCORING_ROWS, SHARD_ROWS = 8, 2
+TRAIN_STEPS, CHECKPOINT_EVERY, HOLD_AFTER_STEP = 4, 2, 3
+
+log = logging.getLogger("node_loss")
+
+
+# ------------------------------------------------------------------------------------------------ cluster
+
+
+def start_cluster(worker_nodes: int = 2) -> Any:
+    """Head (0 CPUs: only the driver's things run there) + ``worker_nodes`` 1-CPU nodes; the driver connected."""
+    from ray.cluster_utils import Cluster
+
+    from raycurate.stages.runtime import init_ray
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": HEALTH_CHECK})
+    for _ in range(worker_nodes):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    init_ray(address=cluster.address)
+    return cluster
+
+
+def stop_cluster(cluster: Any) -> None:
+    """Disconnect the driver, then stop every node left."""
+    import ray
+
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def node_id() -> str:
+    """This process's Ray node id (hex)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def hold(marker: str) -> None:
+    """Write ``marker`` (this node id, pid) atomically, then sleep: the driver removes this node meanwhile."""
+    tmp = f"{marker}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"node_id": node_id(), "pid": os.getpid(), "time": time.time()}, fh)
+    os.replace(tmp, marker)
+    time.sleep(HOLD_SECONDS)
+    raise RuntimeError(f"held {HOLD_SECONDS} s after writing {marker} and the node was not removed")
+
+
+class NodeKiller(threading.Thread):
+    """Waits for the hold marker, then removes the worker node it names (no graceful shutdown)."""
+
+    def __init__(self, cluster: Any, marker: Path, timeout_s: float = 600):
+        super().__init__(daemon=True)
+        self.cluster, self.marker, self.timeout_s = cluster, marker, timeout_s
+        self.result: dict[str, Any] = {}
+
+    def run(self) -> None:
+        deadline = time.time() + self.timeout_s
+        while not self.marker.exists():
+            if time.time() > deadline:
+                self.result = {"error": f"{self.marker} never appeared"}
+                return
+            time.sleep(0.1)
+        held = json.loads(self.marker.read_text())
+        nodes = [n for n in self.cluster.worker_nodes if n.node_id == held["node_id"]]
+        if len(nodes) != 1:
+            self.result = {"error": f"held on node {held['node_id']}, not one worker node", "held": held}
+            return
+        started = time.time()
+        self.cluster.remove_node(nodes[0], allow_graceful=False)
+        self.result = {"killed_node": held["node_id"], "held_pid": held["pid"], "held_at": held["time"],
+                       "removed_at": started, "remove_seconds": round(time.time() - started, 3)}
+
+
+def run_with_node_loss(cluster: Any, marker: Path, fn: Any) -> tuple[Any, dict]:
+    """``fn()`` while a :class:`NodeKiller` removes the node that writes ``marker``; (fn's value, kill record)."""
+    killer = NodeKiller(cluster, marker)
+    killer.start()
+    value = fn()
+    killer.join(timeout=5)
+    return value, killer.result
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+
+class HoldingScoreUDF(BridgeScoreUDF):
+    """``BridgeScoreUDF`` that logs each call (node, pid, first row id) and holds in its 2nd call when
+    ``hold_marker`` is set and does not exist yet (the restarted actor does not hold again).
+
+    Class attributes are set by the driver before the run; the class lives in ``__main__``, so Ray pickles it by
+    value, attributes included.
+    """
+
+    hold_marker: str | None = None
+    calls_log: str | None = None
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    def __call__(self, batch: Any) -> Any:
+        self.calls += 1
+        with open(self.calls_log, "a") as fh:
+            fh.write(json.dumps({"node_id": node_id(), "pid": os.getpid(), "call": self.calls,
+                                 "first_id": batch["id"][0].as_py(), "rows": batch.num_rows}) + "\n")
+        if self.hold_marker and self.calls == 2 and not os.path.exists(self.hold_marker):
+            hold(self.hold_marker)
+        return super().__call__(batch)
+
+
+def _record(run: Any, stage: str, files: dict[str, Path]) -> None:
+    """A finished upstream stage whose outputs are copies of ``files`` ({output name: path})."""
+    import shutil
+
+    from raycurate.stages.base import StageOutput, run_stage
+
+    def body(out: Path) -> StageOutput:
+        for src in files.values():
+            (shutil.copytree if src.is_dir() else shutil.copy)(src, out / src.name)
+        return StageOutput(outputs={name: src.name for name, src in files.items()})
+
+    run_stage(run, stage, body, config={"stage": stage})
+
+
+def scoring_inputs(work: Path) -> dict[str, Path]:
+    """Tokens (``SCORING_ROWS`` corpus rows), the embedded model and a fixed random direction on its last layer."""
+    import pyarrow.parquet as pq
+    import torch
+    from safetensors.torch import save_file
+
+    from raycurate.algorithms.token_utility import scoring_parameters
+    from raycurate.data.corpus import generate_corpus
+    from raycurate.data.tokenize import token_table, tokenize_record
+    from raycurate.models.loading import embedded_model_dir, load_model, load_tokenizer
+
+    model_dir = embedded_model_dir()
+    tokenizer = load_tokenizer(model_dir)
+    rows = [tokenize_record(tokenizer, r, 384) for r in generate_corpus(3 * SCORING_ROWS, seed=0)]
+    rows = [r for r in rows if "input_ids" in r][:SCORING_ROWS]
+    tokens = work / "tokens"
+    tokens.mkdir(parents=True)
+    pq.write_table(token_table(rows), tokens / "part-0.parquet")
+    model = load_model(model_dir, dtype="float32", device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    direction = {k: torch.randn(v.shape, generator=gen) * 1e-2 for k, v in scoring_parameters(model, 1).items()}
+    save_file(direction, str(work / "direction.safetensors"))
+    return {"tokens": tokens, "model": Path(model_dir), "direction": work / "direction.safetensors"}
+
+
+def score_once(root: Path, inputs: dict[str, Path]) -> dict:
+    """``bridge_score`` in a fresh run folder ``root/run`` (1 actor, shards of ``SHARD_ROWS`` rows)."""
+    from raycurate.config.bridge import BridgeConfig
+    from raycurate.config.pool import ActorPoolConfig
+    from raycurate.rundir import RunDir
+    from raycurate.stages.bridge import score_stage
+
+    run = RunDir(root / "run", lock=True)
+    _record(run, "rows", {"tokens": inputs["tokens"]})
+    _record(run, "warmup", {"model": inputs["model"]})
+    _record(run, "direction", {"direction": inputs["direction"]})
+    pool = ActorPoolConfig(num_actors=1, batch_size=SHARD_ROWS, shard_rows=SHARD_ROWS)
+    return score_stage(run, tokens_stage="rows", warmup_stage="warmup", direction_stage_name="direction",
+                       bridge_cfg=BridgeConfig(micro_batch=SHARD_ROWS), pool_cfg=pool, progress=False)
+
+
+def scoring(out: Path) -> dict:
+    """Scenario A: a worker node dies while it scores shard 1 of 4."""
+    import raycurate.stages.bridge as bridge
+
+    started = time.perf_counter()
+    cluster = start_cluster()
+    summary: dict[str, Any] = {"scenario": "scoring", "cluster_seconds": round(time.perf_counter() - started, 1)}
+    inputs = scoring_inputs(out / "inputs")
+    bridge.BridgeScoreUDF = HoldingScoreUDF  # score_stage builds its actors from this name
+    for label in ("baseline", "killed"):
+        root = out / label
+        root.mkdir(parents=True)
+        HoldingScoreUDF.calls_log = str(root / "calls.jsonl")
+        HoldingScoreUDF.hold_marker = str(root / "hold.json") if label == "killed" else None
+        t0 = time.perf_counter()
+        if label == "killed":
+            record, summary["kill"] = run_with_node_loss(cluster, root / "hold.json",
+                                                         lambda root=root: score_once(root, inputs))
+        else:
+            record = score_once(root, inputs)
+        summary[label] = {"seconds": round(time.perf_counter() - t0, 1), "executions": record["executions"],
+                          "metrics": record["metrics"],
+                          "calls": [json.loads(x) for x in (root / "calls.jsonl").read_text().splitlines()]}
+    summary["nodes_alive_after"] = _alive_nodes()
+    stop_cluster(cluster)
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+def hold_entry(entry: Any, marker: str, config: dict, session: Any) -> None:
+    """Ray Train worker entry: ``entry`` with rank 0 holding after step ``HOLD_AFTER_STEP`` (once the checkpoints
+    reported so far are committed), unless ``marker`` exists (the restarted worker trains on).  Each start appends
+    its node id, pid and rank to ``workers.jsonl`` beside ``marker``."""
+    import raycurate.stages.train as train
+
+    with open(os.path.join(os.path.dirname(marker), "workers.jsonl"), "a") as fh:  # which node each start ran on
+        fh.write(json.dumps({"node_id": node_id(), "pid": os.getpid(), "rank": session.rank}) + "\n")
+
+    def hold_after(session: Any, step: int) -> None:
+        if session.rank == 0 and step == HOLD_AFTER_STEP and not os.path.exists(marker):
+            with session.latest_checkpoint_dir():  # wait until Ray Train has registered every reported checkpoint
+                pass
+            hold(marker)
+
+    train.maybe_inject_fault = hold_after  # train_loop calls it after every step (this worker process only)
+    entry(config, session)
+
+
+def training_inputs(work: Path) -> dict[str, Path]:
+    """A 16-row token table of the embedded corpus and the embedded model."""
+    import pyarrow.parquet as pq
+
+    from raycurate.data.corpus import generate_corpus
+    from raycurate.data.tokenize import token_table, tokenize_record
+    from raycurate.models.loading import embedded_model_dir, load_tokenizer
+
+    model_dir = embedded_model_dir()
+    tokenizer = load_tokenizer(model_dir)
+    rows = [tokenize_record(tokenizer, r, 384) for r in generate_corpus(48, seed=1)]
+    rows = [r for r in rows if "input_ids" in r][:16]
+    work.mkdir(parents=True)
+    pq.write_table(token_table(rows), work / "train.parquet")
+    return {"table": work / "train.parquet", "model": Path(model_dir)}
+
+
+def train_config() -> Any:
+    from raycurate.config.train import TrainConfig
+
+    return TrainConfig(engine="ddp", launcher="ray_train", num_workers=1, micro_batch_size=2, effective_batch_size=4,
+                       max_steps=TRAIN_STEPS, checkpoint_every_steps=CHECKPOINT_EVERY, lr=1e-3, warmup_ratio=0.0,
+                       log_every_steps=1, max_failures=1)
+
+
+def training(out: Path) -> dict:
+    """Scenario B: a worker node dies after step 3 of 4 (checkpoint at step 2)."""
+    import raycurate.stages.train as train
+
+    started = time.perf_counter()
+    cluster = start_cluster()
+    summary: dict[str, Any] = {"scenario": "training", "cluster_seconds": round(time.perf_counter() - started, 1)}
+    inputs = training_inputs(out / "inputs")
+    real_launch = train.launch_trainer
+    for label in ("baseline", "killed"):
+        root = out / label
+        root.mkdir(parents=True)
+        marker = root / "hold.json"
+        if label == "killed":
+            train.launch_trainer = lambda entry, *a, marker=str(marker), **k: real_launch(
+                functools.partial(hold_entry, entry, marker), *a, **k)
+
+        def fit(root: Path = root) -> dict:
+            return train.run_sft(str(inputs["table"]), str(inputs["model"]), str(root / "model"), train_config(),
+                                 storage_dir=str(root / "ray_train"), name="sft")
+
+        t0 = time.perf_counter()
+        if label == "killed":
+            metrics, summary["kill"] = run_with_node_loss(cluster, marker, fit)
+        else:
+            metrics = fit()
+        summary[label] = {"seconds": round(time.perf_counter() - t0, 1),
+                          **{k: metrics[k] for k in ("start_step", "steps", "loss_per_step")}}
+        if label == "killed":
+            summary[label]["workers"] = [json.loads(x) for x in (root / "workers.jsonl").read_text().splitlines()]
+    train.launch_trainer = real_launch
+    summary["nodes_alive_after"] = _alive_nodes()
+    stop_cluster(cluster)
+    return summary
+
+
+def _alive_nodes() -> int:
+    import ray
+
+    return sum(1 for n in ray.nodes() if n["Alive"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenario", choices=("scoring", "training"))
+    parser.add_argument("--out", required=True, type=Path, help="an empty or new folder for the runs and summary")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if any(args.out.iterdir()):
+        parser.error(f"--out {args.out} is not empty")
+    started = time.perf_counter()
+    summary = (scoring if args.scenario == "scoring" else training)(args.out.resolve())
+    summary["total_seconds"] = round(time.perf_counter() - started, 1)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
