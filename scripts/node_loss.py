@@ -3,8 +3,9 @@
 
 Usage::
 
-    .venv/bin/python scripts/node_loss.py scoring  --out /tmp/node_loss_scoring
-    .venv/bin/python scripts/node_loss.py training --out /tmp/node_loss_training
+    .venv/bin/python scripts/node_loss.py scoring    --out /tmp/node_loss_scoring
+    .venv/bin/python scripts/node_loss.py warm_tasks --out /tmp/node_loss_warm_tasks
+    .venv/bin/python scripts/node_loss.py training   --out /tmp/node_loss_training
 
 Each scenario starts a :class:`ray.cluster_utils.Cluster` on loopback: a head node with 0 CPUs (the driver, the
 GCS and Ray Train's controller, which Ray pins to the driver's node) and two worker nodes with 1 CPU each, so every
@@ -19,6 +20,11 @@ actor and Ray Train worker runs on a worker node.  It runs the stage twice with 
 sharded_map` actor pool of 1 actor, 4 shards of 2 rows) holds in its 2nd UDF call (shard 1; shard 0 is written).
 Ray restarts the actor on the other node (``max_restarts``) and retries its queued shard tasks
 (``max_task_retries``); the stage finishes in the same call.
+
+``warm_tasks``: :func:`~raycurate.stages.warm_tasks.map_rows_on_tasks` (the held-out evaluation's runtime: one
+streaming Ray task over 4 groups of 2 rows, with a model-free stand-in UDF) holds in group 2.  Ray retries the
+task on the other node (tasks' default ``max_retries``); the retried generator starts again at group 1 and Ray
+drops the outputs the driver already has, so every row comes back once.
 
 ``training``: ``run_sft`` (``train.launcher=ray_train``, 1 DDP worker, 4 steps, a checkpoint every 2 steps,
 ``train.max_failures=1``) holds after step 3, once the step-2 checkpoint is committed.  Ray Train's
@@ -242,6 +248,62 @@ def scoring(out: Path) -> dict:
     return summary
 
 
+# ------------------------------------------------------------------------------------------------ warm tasks
+
+
+class HoldingSquareUDF:
+    """A stand-in for ``EvaluateUDF`` on :func:`~raycurate.stages.warm_tasks.map_rows_on_tasks` (no model: the
+    retry of the streaming task is what is under test): appends ``square = i * i``; logs each call and holds in its
+    2nd call like :class:`HoldingScoreUDF`."""
+
+    hold_marker: str | None = None
+    calls_log: str | None = None
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, batch: Any) -> Any:
+        import pyarrow.compute as pc
+
+        self.calls += 1
+        with open(self.calls_log, "a") as fh:
+            fh.write(json.dumps({"node_id": node_id(), "pid": os.getpid(), "call": self.calls,
+                                 "first_i": batch["i"][0].as_py(), "rows": batch.num_rows}) + "\n")
+        if self.hold_marker and self.calls == 2 and not os.path.exists(self.hold_marker):
+            hold(self.hold_marker)
+        return batch.append_column("square", pc.multiply(batch["i"], batch["i"]))
+
+
+def warm_tasks(out: Path) -> dict:
+    """Scenario C: a worker node dies during a warm-task map (the held-out evaluation's runtime), in group 2 of 4."""
+    from raycurate.stages.ray_data import PoolResources
+    from raycurate.stages.warm_tasks import map_rows_on_tasks
+
+    started = time.perf_counter()
+    cluster = start_cluster()
+    summary: dict[str, Any] = {"scenario": "warm_tasks", "cluster_seconds": round(time.perf_counter() - started, 1)}
+    rows = [{"i": k} for k in range(8)]
+    pool = PoolResources(num_actors=1, num_cpus=0.95, num_gpus=0, batch_size=2)
+    for label in ("baseline", "killed"):
+        root = out / label
+        root.mkdir(parents=True)
+        HoldingSquareUDF.calls_log = str(root / "calls.jsonl")
+        HoldingSquareUDF.hold_marker = str(root / "hold.json") if label == "killed" else None
+        t0 = time.perf_counter()
+        if label == "killed":
+            result, summary["kill"] = run_with_node_loss(
+                cluster, root / "hold.json", lambda: map_rows_on_tasks(rows, HoldingSquareUDF, {}, pool,
+                                                                       progress=False))
+        else:
+            result = map_rows_on_tasks(rows, HoldingSquareUDF, {}, pool, progress=False)
+        (root / "rows.json").write_text(json.dumps(result))
+        summary[label] = {"seconds": round(time.perf_counter() - t0, 1),
+                          "calls": [json.loads(x) for x in (root / "calls.jsonl").read_text().splitlines()]}
+    summary["nodes_alive_after"] = _alive_nodes()
+    stop_cluster(cluster)
+    return summary
+
+
 # ------------------------------------------------------------------------------------------------ training
 
 
@@ -331,9 +393,12 @@ def _alive_nodes() -> int:
     return sum(1 for n in ray.nodes() if n["Alive"])
 
 
+SCENARIOS = {"scoring": scoring, "warm_tasks": warm_tasks, "training": training}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("scenario", choices=("scoring", "training"))
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("--out", required=True, type=Path, help="an empty or new folder for the runs and summary")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -341,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(args.out.iterdir()):
         parser.error(f"--out {args.out} is not empty")
     started = time.perf_counter()
-    summary = (scoring if args.scenario == "scoring" else training)(args.out.resolve())
+    summary = SCENARIOS[args.scenario](args.out.resolve())
     summary["total_seconds"] = round(time.perf_counter() - started, 1)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))

@@ -1,5 +1,5 @@
-"""Node loss (issue #27): a worker node of a multi-node Ray cluster on this machine dies during BRIDGE scoring and
-during Ray Train SFT; the stage finishes and its results equal an uninterrupted run's.
+"""Node loss (issue #27): a worker node of a multi-node Ray cluster on this machine dies during BRIDGE scoring,
+during a warm-task map and during Ray Train SFT; the stage finishes and its results equal an uninterrupted run's.
 
 Each test runs ``scripts/node_loss.py`` in its own process (it starts its own ``ray.cluster_utils.Cluster``: a
 0-CPU head and two 1-CPU worker nodes, so it cannot share the session's local Ray instance) and compares the
@@ -58,6 +58,24 @@ def test_scoring_finishes_after_its_worker_node_dies_with_the_uninterrupted_scor
     markers = [json.loads((scores["killed"] / f"part-{k:05d}.done").read_text()) for k in range(4)]
     assert markers[0]["pid"] == kill["held_pid"]  # computed before the kill and kept
     assert all(m["pid"] != kill["held_pid"] for m in markers[1:])  # recomputed on the surviving node
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_a_warm_task_map_returns_every_row_once_after_its_worker_node_dies(tmp_path):
+    summary = _run_scenario("warm_tasks", tmp_path)
+    kill = summary["kill"]
+    assert "error" not in kill, kill
+    calls = summary["killed"]["calls"]
+    held = [c for c in calls if c["pid"] == kill["held_pid"]]
+    assert [(c["call"], c["first_i"]) for c in held] == [(1, 0), (2, 2)] and held[0]["node_id"] == kill["killed_node"]
+    retried = [c for c in calls if c["pid"] != kill["held_pid"]]
+    assert [c["first_i"] for c in retried] == [0, 2, 4, 6]  # the generator is replayed from its first group
+    assert kill["killed_node"] not in {c["node_id"] for c in retried}
+    expected = [{"i": i, "square": i * i} for i in range(8)]
+    for label in ("baseline", "killed"):  # Ray drops the replayed groups the driver already has: no row twice
+        assert json.loads((tmp_path / label / "rows.json").read_text()) == expected, label
 
 
 def _weights(model_dir: Path) -> dict:
