@@ -5,6 +5,7 @@ Usage::
 
     .venv/bin/python scripts/node_loss.py scoring    --out /tmp/node_loss_scoring
     .venv/bin/python scripts/node_loss.py warm_tasks --out /tmp/node_loss_warm_tasks
+    .venv/bin/python scripts/node_loss.py ray_data   --out /tmp/node_loss_ray_data
     .venv/bin/python scripts/node_loss.py training   --out /tmp/node_loss_training
 
 Each scenario starts a :class:`ray.cluster_utils.Cluster` on loopback: a head node with 0 CPUs (the driver, the
@@ -25,6 +26,10 @@ Ray restarts the actor on the other node (``max_restarts``) and retries its queu
 streaming Ray task over 4 groups of 2 rows, with a model-free stand-in UDF) holds in group 2.  Ray retries the
 task on the other node (tasks' default ``max_retries``); the retried generator starts again at group 1 and Ray
 drops the outputs the driver already has, so every row comes back once.
+
+``ray_data``: :func:`~raycurate.stages.ray_data.map_with_actor_pool` (the runtime of tokenize and the other Ray
+Data stages: 1 actor, 4 batches of 2 rows, order preserved, the same stand-in UDF) holds in batch 2.  Ray Data's
+actor pools restart actors and retry their tasks by default; the map returns every row once, in order.
 
 ``training``: ``run_sft`` (``train.launcher=ray_train``, 1 DDP worker, 4 steps, a checkpoint every 2 steps,
 ``train.max_failures=1``) holds after step 3, once the step-2 checkpoint is committed.  Ray Train's
@@ -304,6 +309,42 @@ def warm_tasks(out: Path) -> dict:
     return summary
 
 
+def ray_data(out: Path) -> dict:
+    """Scenario D: a worker node dies inside a Ray Data actor-pool map (the tokenize / Ray Data stages' runtime:
+    :func:`~raycurate.stages.ray_data.map_with_actor_pool`, order preserved as the stages set it), in batch 2 of 4."""
+    import ray.data
+
+    from raycurate.stages.ray_data import PoolResources, dataset_from_rows, map_with_actor_pool
+
+    started = time.perf_counter()
+    cluster = start_cluster()
+    summary: dict[str, Any] = {"scenario": "ray_data", "cluster_seconds": round(time.perf_counter() - started, 1)}
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    rows = [{"i": k} for k in range(8)]
+    pool = PoolResources(num_actors=1, num_cpus=0.5, num_gpus=0, batch_size=2)
+
+    def map_rows() -> list[dict]:
+        return map_with_actor_pool(dataset_from_rows(rows, 2), HoldingSquareUDF, {}, pool).take_all()
+
+    for label in ("baseline", "killed"):
+        root = out / label
+        root.mkdir(parents=True)
+        HoldingSquareUDF.calls_log = str(root / "calls.jsonl")
+        HoldingSquareUDF.hold_marker = str(root / "hold.json") if label == "killed" else None
+        t0 = time.perf_counter()
+        if label == "killed":
+            result, summary["kill"] = run_with_node_loss(cluster, root / "hold.json", map_rows)
+        else:
+            result = map_rows()
+        (root / "rows.json").write_text(json.dumps(result))
+        summary[label] = {"seconds": round(time.perf_counter() - t0, 1),
+                          "calls": [json.loads(x) for x in (root / "calls.jsonl").read_text().splitlines()]}
+    summary["nodes_alive_after"] = _alive_nodes()
+    stop_cluster(cluster)
+    return summary
+
+
 # ------------------------------------------------------------------------------------------------ training
 
 
@@ -393,7 +434,7 @@ def _alive_nodes() -> int:
     return sum(1 for n in ray.nodes() if n["Alive"])
 
 
-SCENARIOS = {"scoring": scoring, "warm_tasks": warm_tasks, "training": training}
+SCENARIOS = {"scoring": scoring, "warm_tasks": warm_tasks, "ray_data": ray_data, "training": training}
 
 
 def main(argv: list[str] | None = None) -> int:

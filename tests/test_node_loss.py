@@ -1,5 +1,5 @@
 """Node loss (issue #27): a worker node of a multi-node Ray cluster on this machine dies during BRIDGE scoring,
-during a warm-task map and during Ray Train SFT; the stage finishes and its results equal an uninterrupted run's.
+a warm-task map, a Ray Data actor-pool map and Ray Train SFT; each finishes with an uninterrupted run's results.
 
 Each test runs ``scripts/node_loss.py`` in its own process (it starts its own ``ray.cluster_utils.Cluster``: a
 0-CPU head and two 1-CPU worker nodes, so it cannot share the session's local Ray instance) and compares the
@@ -75,6 +75,24 @@ def test_a_warm_task_map_returns_every_row_once_after_its_worker_node_dies(tmp_p
     assert kill["killed_node"] not in {c["node_id"] for c in retried}
     expected = [{"i": i, "square": i * i} for i in range(8)]
     for label in ("baseline", "killed"):  # Ray drops the replayed groups the driver already has: no row twice
+        assert json.loads((tmp_path / label / "rows.json").read_text()) == expected, label
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_a_ray_data_actor_pool_map_returns_every_row_once_in_order_after_its_worker_node_dies(tmp_path):
+    summary = _run_scenario("ray_data", tmp_path)
+    kill = summary["kill"]
+    assert "error" not in kill, kill
+    calls = summary["killed"]["calls"]
+    held = [c for c in calls if c["pid"] == kill["held_pid"]]
+    assert [(c["call"], c["first_i"]) for c in held] == [(1, 0), (2, 2)] and held[0]["node_id"] == kill["killed_node"]
+    restarted = [c for c in calls if c["pid"] != kill["held_pid"]]
+    assert restarted and kill["killed_node"] not in {c["node_id"] for c in restarted}
+    assert 2 in [c["first_i"] for c in restarted]  # the batch that was running when the node died, again
+    expected = [{"i": i, "square": i * i} for i in range(8)]
+    for label in ("baseline", "killed"):
         assert json.loads((tmp_path / label / "rows.json").read_text()) == expected, label
 
 
