@@ -33,7 +33,9 @@ actor pools restart actors and retry their tasks by default; the map returns eve
 
 ``training``: ``run_sft`` (``train.launcher=ray_train``, 1 DDP worker, 4 steps, a checkpoint every 2 steps,
 ``train.max_failures=1``) holds after step 3, once the step-2 checkpoint is committed.  Ray Train's
-``FailureConfig`` restarts the worker group on the other node, which resumes from the step-2 checkpoint.
+``FailureConfig`` restarts the worker group on the other node, which resumes from the step-2 checkpoint.  With
+``--max-failures 0`` (the default of ``train.max_failures``) the run fails instead, and a second ``run_sft`` on the
+same storage folder (what re-running the stage does) resumes from the step-2 checkpoint.
 
 Writes ``<out>/summary.json`` (timings, which node ran what, the killed node) and prints it;
 ``tests/test_node_loss.py`` runs this script and compares ``killed/`` with ``baseline/`` file by file.
@@ -384,21 +386,26 @@ def training_inputs(work: Path) -> dict[str, Path]:
     return {"table": work / "train.parquet", "model": Path(model_dir)}
 
 
-def train_config() -> Any:
+def train_config(max_failures: int) -> Any:
     from raycurate.config.train import TrainConfig
 
     return TrainConfig(engine="ddp", launcher="ray_train", num_workers=1, micro_batch_size=2, effective_batch_size=4,
                        max_steps=TRAIN_STEPS, checkpoint_every_steps=CHECKPOINT_EVERY, lr=1e-3, warmup_ratio=0.0,
-                       log_every_steps=1, max_failures=1)
+                       log_every_steps=1, max_failures=max_failures)
 
 
-def training(out: Path) -> dict:
-    """Scenario B: a worker node dies after step 3 of 4 (checkpoint at step 2)."""
+def training(out: Path, max_failures: int = 1) -> dict:
+    """Scenario B: a worker node dies after step 3 of 4 (checkpoint at step 2).
+
+    With ``max_failures >= 1`` Ray Train restarts the worker group inside the same ``fit()``; with 0 the run fails
+    and a second ``run_sft`` on the same storage (what re-running the stage does) resumes from the checkpoint.
+    """
     import raycurate.stages.train as train
 
     started = time.perf_counter()
     cluster = start_cluster()
-    summary: dict[str, Any] = {"scenario": "training", "cluster_seconds": round(time.perf_counter() - started, 1)}
+    summary: dict[str, Any] = {"scenario": "training", "max_failures": max_failures,
+                               "cluster_seconds": round(time.perf_counter() - started, 1)}
     inputs = training_inputs(out / "inputs")
     real_launch = train.launch_trainer
     for label in ("baseline", "killed"):
@@ -410,19 +417,30 @@ def training(out: Path) -> dict:
                 functools.partial(hold_entry, entry, marker), *a, **k)
 
         def fit(root: Path = root) -> dict:
-            return train.run_sft(str(inputs["table"]), str(inputs["model"]), str(root / "model"), train_config(),
-                                 storage_dir=str(root / "ray_train"), name="sft")
+            return train.run_sft(str(inputs["table"]), str(inputs["model"]), str(root / "model"),
+                                 train_config(max_failures), storage_dir=str(root / "ray_train"), name="sft")
+
+        def fit_or_error(fit: Any = fit) -> dict | Exception:
+            try:
+                return fit()
+            except Exception as exc:  # noqa: BLE001 - recorded: with max_failures=0 the lost node fails the run
+                return exc
 
         t0 = time.perf_counter()
         if label == "killed":
-            metrics, summary["kill"] = run_with_node_loss(cluster, marker, fit)
+            metrics, summary["kill"] = run_with_node_loss(cluster, marker, fit_or_error)
+            train.launch_trainer = real_launch
+            summary["killed"] = {}
+            if isinstance(metrics, Exception):  # the stage failed: run it again, as a user re-runs the command
+                summary["killed"]["failed_with"] = f"{type(metrics).__name__}: {str(metrics)[:300]}"
+                summary["killed"]["failed_after_seconds"] = round(time.perf_counter() - t0, 1)
+                metrics = fit()
         else:
             metrics = fit()
-        summary[label] = {"seconds": round(time.perf_counter() - t0, 1),
+        summary[label] = {**summary.get(label, {}), "seconds": round(time.perf_counter() - t0, 1),
                           **{k: metrics[k] for k in ("start_step", "steps", "loss_per_step")}}
         if label == "killed":
             summary[label]["workers"] = [json.loads(x) for x in (root / "workers.jsonl").read_text().splitlines()]
-    train.launch_trainer = real_launch
     summary["nodes_alive_after"] = _alive_nodes()
     stop_cluster(cluster)
     return summary
@@ -441,13 +459,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("--out", required=True, type=Path, help="an empty or new folder for the runs and summary")
+    parser.add_argument("--max-failures", type=int, default=1,
+                        help="training: train.max_failures (0: the run fails and a second run_sft resumes)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     if any(args.out.iterdir()):
         parser.error(f"--out {args.out} is not empty")
     started = time.perf_counter()
-    summary = SCENARIOS[args.scenario](args.out.resolve())
+    options = {"max_failures": args.max_failures} if args.scenario == "training" else {}
+    summary = SCENARIOS[args.scenario](args.out.resolve(), **options)
     summary["total_seconds"] = round(time.perf_counter() - started, 1)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))

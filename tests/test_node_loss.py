@@ -20,8 +20,8 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "node_loss.py"
 
 
-def _run_scenario(scenario: str, out: Path) -> dict:
-    proc = subprocess.run([sys.executable, str(SCRIPT), scenario, "--out", str(out)], capture_output=True,
+def _run_scenario(scenario: str, out: Path, *options: str) -> dict:
+    proc = subprocess.run([sys.executable, str(SCRIPT), scenario, "--out", str(out), *options], capture_output=True,
                           text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -105,17 +105,24 @@ def _weights(model_dir: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_ray_train_resumes_from_the_latest_checkpoint_after_its_worker_node_dies(tmp_path):
+@pytest.mark.parametrize("max_failures", [1, 0])
+def test_ray_train_resumes_from_the_latest_checkpoint_after_its_worker_node_dies(tmp_path, max_failures):
+    """max_failures=1: Ray Train restarts the worker group on the other node in the same fit(); 0 (the default):
+    the run fails with WorkerGroupError and running it again resumes from the checkpoint."""
     import torch
 
-    summary = _run_scenario("training", tmp_path)
+    summary = _run_scenario("training", tmp_path, "--max-failures", str(max_failures))
     kill = summary["kill"]
     assert "error" not in kill, kill
     baseline, killed = summary["baseline"], summary["killed"]
     assert baseline["start_step"] == 0 and baseline["steps"] == 4
-    first, restarted = killed["workers"]  # one start on the killed node, one restart elsewhere
+    first = killed["workers"][0]
     assert first["node_id"] == kill["killed_node"] and first["pid"] == kill["held_pid"]
-    assert restarted["node_id"] != kill["killed_node"]
+    if max_failures:
+        assert "failed_with" not in killed
+        assert len(killed["workers"]) == 2 and killed["workers"][1]["node_id"] != kill["killed_node"]
+    else:
+        assert killed["failed_with"].startswith("WorkerGroupError") and len(killed["workers"]) == 1
     assert killed["start_step"] == 2 and killed["steps"] == 4  # held after step 3; the step-2 checkpoint resumed
     assert killed["loss_per_step"] == pytest.approx(baseline["loss_per_step"], rel=1e-6)
     a, b = _weights(tmp_path / "baseline" / "model"), _weights(tmp_path / "killed" / "model")
