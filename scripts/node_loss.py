@@ -35,7 +35,8 @@ actor pools restart actors and retry their tasks by default; the map returns eve
 ``train.max_failures=1``) holds after step 3, once the step-2 checkpoint is committed.  Ray Train's
 ``FailureConfig`` restarts the worker group on the other node, which resumes from the step-2 checkpoint.  With
 ``--max-failures 0`` (the default of ``train.max_failures``) the run fails instead, and a second ``run_sft`` on the
-same storage folder (what re-running the stage does) resumes from the step-2 checkpoint.
+same storage folder (what re-running the stage does) resumes from the step-2 checkpoint.  ``--launcher task``
+runs the same with ``train.launcher=task`` (one Ray task, ``max_retries = train.max_failures``).
 
 Writes ``<out>/summary.json`` (timings, which node ran what, the killed node) and prints it;
 ``tests/test_node_loss.py`` runs this script and compares ``killed/`` with ``baseline/`` file by file.
@@ -386,25 +387,26 @@ def training_inputs(work: Path) -> dict[str, Path]:
     return {"table": work / "train.parquet", "model": Path(model_dir)}
 
 
-def train_config(max_failures: int) -> Any:
+def train_config(max_failures: int, launcher: str) -> Any:
     from raycurate.config.train import TrainConfig
 
-    return TrainConfig(engine="ddp", launcher="ray_train", num_workers=1, micro_batch_size=2, effective_batch_size=4,
+    return TrainConfig(engine="ddp", launcher=launcher, num_workers=1, micro_batch_size=2, effective_batch_size=4,
                        max_steps=TRAIN_STEPS, checkpoint_every_steps=CHECKPOINT_EVERY, lr=1e-3, warmup_ratio=0.0,
                        log_every_steps=1, max_failures=max_failures)
 
 
-def training(out: Path, max_failures: int = 1) -> dict:
+def training(out: Path, max_failures: int = 1, launcher: str = "ray_train") -> dict:
     """Scenario B: a worker node dies after step 3 of 4 (checkpoint at step 2).
 
     With ``max_failures >= 1`` Ray Train restarts the worker group inside the same ``fit()``; with 0 the run fails
     and a second ``run_sft`` on the same storage (what re-running the stage does) resumes from the checkpoint.
+    ``launcher="task"``: one Ray task, retried ``max_failures`` times (``train.launcher=task``).
     """
     import raycurate.stages.train as train
 
     started = time.perf_counter()
     cluster = start_cluster()
-    summary: dict[str, Any] = {"scenario": "training", "max_failures": max_failures,
+    summary: dict[str, Any] = {"scenario": "training", "max_failures": max_failures, "launcher": launcher,
                                "cluster_seconds": round(time.perf_counter() - started, 1)}
     inputs = training_inputs(out / "inputs")
     real_launch = train.launch_trainer
@@ -418,7 +420,7 @@ def training(out: Path, max_failures: int = 1) -> dict:
 
         def fit(root: Path = root) -> dict:
             return train.run_sft(str(inputs["table"]), str(inputs["model"]), str(root / "model"),
-                                 train_config(max_failures), storage_dir=str(root / "ray_train"), name="sft")
+                                 train_config(max_failures, launcher), storage_dir=str(root / "ray_train"), name="sft")
 
         def fit_or_error(fit: Any = fit) -> dict | Exception:
             try:
@@ -461,13 +463,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="an empty or new folder for the runs and summary")
     parser.add_argument("--max-failures", type=int, default=1,
                         help="training: train.max_failures (0: the run fails and a second run_sft resumes)")
+    parser.add_argument("--launcher", choices=("ray_train", "task"), default="ray_train",
+                        help="training: train.launcher")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     if any(args.out.iterdir()):
         parser.error(f"--out {args.out} is not empty")
     started = time.perf_counter()
-    options = {"max_failures": args.max_failures} if args.scenario == "training" else {}
+    options = {"max_failures": args.max_failures, "launcher": args.launcher} if args.scenario == "training" else {}
     summary = SCENARIOS[args.scenario](args.out.resolve(), **options)
     summary["total_seconds"] = round(time.perf_counter() - started, 1)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -105,13 +105,14 @@ def _weights(model_dir: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("max_failures", [1, 0])
-def test_ray_train_resumes_from_the_latest_checkpoint_after_its_worker_node_dies(tmp_path, max_failures):
-    """max_failures=1: Ray Train restarts the worker group on the other node in the same fit(); 0 (the default):
-    the run fails with WorkerGroupError and running it again resumes from the checkpoint."""
+@pytest.mark.parametrize("launcher, max_failures", [("ray_train", 1), ("ray_train", 0), ("task", 1)])
+def test_training_resumes_from_the_latest_checkpoint_after_its_worker_node_dies(tmp_path, launcher, max_failures):
+    """max_failures=1: Ray Train restarts the worker group (launcher=task: Ray retries the task) on the other node
+    in the same call; 0 (the default): the run fails with WorkerGroupError and running it again resumes from the
+    checkpoint."""
     import torch
 
-    summary = _run_scenario("training", tmp_path, "--max-failures", str(max_failures))
+    summary = _run_scenario("training", tmp_path, "--max-failures", str(max_failures), "--launcher", launcher)
     kill = summary["kill"]
     assert "error" not in kill, kill
     baseline, killed = summary["baseline"], summary["killed"]
