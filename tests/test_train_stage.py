@@ -595,3 +595,19 @@ def test_engine_step_loss_and_gradients_equal_the_full_logit_sft_loss(tiny_model
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
     for (name, got), want in zip(engine.module.named_parameters(), reference.parameters()):
         assert torch.allclose(got.grad, want.grad, atol=1e-6), name
+
+
+def test_trainable_state_dict_drops_every_alias_of_a_frozen_tied_embedding():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raycurate.models.adapters import apply_adapter
+    from raycurate.training.engines import load_trainable_state_dict, trainable_state_dict
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = apply_adapter(LlamaForCausalLM(config), {"kind": "lora", "r": 2, "targets": ["q_proj"]})
+    state = trainable_state_dict(model)
+    assert sorted(state) == sorted(k for k in model.state_dict() if "lora_" in k)  # no lm_head / embed alias
+    load_trainable_state_dict(model, state)
+    with pytest.raises(RuntimeError, match="missing trainable keys"):
+        load_trainable_state_dict(model, {k: v for k, v in state.items() if "lora_A" not in k})

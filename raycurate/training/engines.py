@@ -153,8 +153,9 @@ class DDPEngine:
 
 
 def frozen_parameter_names(module: Any) -> set[str]:
-    """Names of the parameters that receive no gradient (a LoRA or head-delta run's base weights)."""
-    return {name for name, p in module.named_parameters() if not p.requires_grad}
+    """Names of the parameters that receive no gradient (a LoRA or head-delta run's base weights), every alias
+    included: a tied ``lm_head.weight`` is the frozen embedding under a second name, also in ``state_dict()``."""
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def trainable_state_dict(module: Any) -> dict[str, Any]:
