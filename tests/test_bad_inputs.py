@@ -632,13 +632,17 @@ def test_api_rows_with_bytes_or_objects_are_a_clear_error_naming_the_row(value, 
         write_source(rows, tmp_path / "in")
 
 
-def test_api_bytes_value_fails_before_ray_and_names_the_row(tmp_path):
+def test_api_bytes_value_fails_before_ray_and_names_the_row(tmp_path, monkeypatch):
     import raycurate
+    import raycurate.stages.runtime
     from raycurate.errors import InputError
 
+    def no_ray(*args, **kwargs):  # "before Ray" even when another test of this process left Ray running
+        raise AssertionError("the call started Ray before refusing the row")
+
+    monkeypatch.setattr(raycurate.stages.runtime, "init_ray", no_ray)
     with pytest.raises(InputError, match="row 0 of the rows given: bytes are not text"):
         raycurate.ingest([{"prompt": b"\xff", "response": "r"}], workdir=tmp_path / "w")
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
 
 def test_api_accepts_a_pandas_dataframe(tmp_path):
