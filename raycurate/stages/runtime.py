@@ -5,7 +5,8 @@ Decisions (documented in ``docs/ray.md``):
 * ``init_ray(address=None)`` starts a local Ray instance (dashboard off) or connects to ``address``
   (``"auto"`` inside a ``ray job submit`` job).  Token authentication stays at Ray's default: a local cluster
   uses token mode and Ray keeps the token at ``~/.ray/auth_token`` (or ``$RAY_AUTH_TOKEN_PATH``).  Never disable
-  it (``RAY_AUTH_MODE=disabled``) on a reachable machine unless Ray is bound to loopback (``docs/ray.md``).
+  it (``RAY_AUTH_MODE=disabled``) on a reachable machine unless a firewall keeps Ray's ports private
+  (``docs/ray.md``).
 * Ray's session files go to ``temp_dir`` when given, else Ray's default ``/tmp/ray``.
 * Actor pools never ask for a whole CPU per actor on small machines: on a 2-CPU node an actor pool of
   1-CPU actors starves the read tasks and the pipeline deadlocks.  :func:`actor_cpus` hands out fractions that keep
