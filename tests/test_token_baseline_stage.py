@@ -78,3 +78,25 @@ def test_sequential_rescores_under_the_compacted_prompt(models):
     assert seq["prompt_keep"] == ind["prompt_keep"]  # same prompt selector, chosen first
     again = loss_baseline_columns("sequential", base, reference, rows, rho_p=0.25, rho_r=0.5, pad_id=0)
     assert again == seq
+
+
+def test_token_cleaning_stage_ranks_the_corpus_with_rho1s_total(models):
+    from raycurate.stages.bridge_compact import (
+        row_token_losses,
+        token_cleaning_global_columns,
+        token_cleaning_row_scores,
+    )
+
+    base, reference = models
+    rows = _rows()
+    scores = token_cleaning_row_scores(base, reference, rows, pad_id=0)
+    losses = row_token_losses({"base": base, "reference": reference}, rows, 0)
+    assert np.allclose(scores[1], (losses["base"][1] - losses["reference"][1]).numpy())
+    cols = token_cleaning_global_columns(rows, scores, rho_p=1.0, rho_r=0.5)
+    rho1 = loss_baseline_columns("rho1", base, reference, rows, rho_p=1.0, rho_r=0.5, pad_id=0)
+    assert sum(sum(m[5:9]) for m in cols["loss_mask"]) == sum(sum(m[5:9]) for m in rho1["loss_mask"]) == 4
+    # The 4 supervised response positions are the 4 highest excess losses over both rows.
+    pool = [(scores[i][j], i, j) for i in range(2) for j in range(5, 9)]
+    top = {(i, j) for _, i, j in sorted(pool, key=lambda t: -t[0])[:4]}
+    assert {(i, j) for i in range(2) for j in range(5, 9) if cols["loss_mask"][i][j]} == top
+    assert all(all(k) for k in cols["prompt_keep"]) and all(m[-1] == 1 for m in cols["loss_mask"])

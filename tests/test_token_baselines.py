@@ -12,6 +12,7 @@ from raycurate.algorithms.token_baselines import (
     TokenMasks,
     example_rng,
     excess_loss_scores,
+    global_response_budgets,
     independent_composition,
     one_sided_matched_budget,
     prompt_selector_masks,
@@ -20,6 +21,7 @@ from raycurate.algorithms.token_baselines import (
     response_scores,
     sequential_composition,
     surprisal_prompt_scores,
+    token_cleaning_global_masks,
     token_cleaning_masks,
     token_influence,
 )
@@ -161,6 +163,38 @@ def test_token_cleaning_masks_ratio_and_matched_budgets():
     assert matched.b_p + matched.b_r == sum((6, 9))  # same combined count as a two-sided method at 0.75 / 0.75
     with pytest.raises(ValueError, match="rho_p"):
         token_cleaning_masks(scores, PLEN, 0.75, budget="matched")
+
+
+def test_global_response_budgets_by_hand():
+    # Pool (row, pos: score): (0,0) 5, (0,1) 1, (1,0) 4, (1,1) 4, (1,2) 0, (2,0) -1 -> top 4: 5, 4, 4, 1.
+    scores = [np.array([5.0, 1.0]), np.array([4.0, 4.0, 0.0]), np.array([-1.0])]
+    assert global_response_budgets(scores, 4).tolist() == [2, 2, 0]
+    assert global_response_budgets(scores, 0).tolist() == [0, 0, 0]
+    assert global_response_budgets(scores, 6).tolist() == [2, 3, 1]
+    # A tie at the threshold goes to the earlier row: top 2 of [3], [3] -> row 0 first.
+    assert global_response_budgets([np.array([3.0]), np.array([3.0])], 1).tolist() == [1, 0]
+    with pytest.raises(ValueError, match="total=7"):
+        global_response_budgets(scores, 7)
+
+
+def test_token_cleaning_global_differs_from_per_example_rho1():
+    # Two rows [BOS] p | r1 r2 r3 r4 EOS (prompt_len 2, 4 eligible response positions each), rho_p 1, rho_r 0.5:
+    # per example both rows supervise 2; globally the 4 best of the pool all lie in row 0.
+    row0 = np.array([0.0, 0.0, 9.0, 8.0, 7.0, 6.0, 0.0])
+    row1 = np.array([0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 0.0])
+    per_row = [token_cleaning_masks(r, 2, 0.5, budget="matched", rho_p=1.0) for r in (row0, row1)]
+    assert [m.b_r for m in per_row] == [2, 2]
+    assert per_row[1].loss_mask.tolist() == [False, False, False, False, True, True, True]
+    glob = token_cleaning_global_masks([row0, row1], [2, 2], 1.0, 0.5)
+    assert [m.b_r for m in glob] == [4, 0] and sum(m.b_r for m in glob) == sum(m.b_r for m in per_row)
+    assert glob[0].loss_mask.tolist() == [False, False, True, True, True, True, True]
+    assert glob[1].loss_mask.tolist() == [False] * 6 + [True]  # nothing but the fixed EOS
+    assert all(m.prompt_keep.all() for m in glob)
+    # When one row holds every score, the global and per-row selections coincide.
+    alone = token_cleaning_global_masks([row1], [2], 1.0, 0.5)[0]
+    assert alone.loss_mask.tolist() == per_row[1].loss_mask.tolist()
+    with pytest.raises(ValueError, match="prompt lengths"):
+        token_cleaning_global_masks([row0], [2, 2], 1.0, 0.5)
 
 
 def test_prompt_selector_masks_keep_the_whole_response():

@@ -14,8 +14,10 @@ Baselines:
   :func:`random_masks` with a per-example generator :func:`example_rng` derived from ``(seed, example id)``.
 * **RHO-1 / Token Cleaning** (response side only, prompt intact): scores from the per-token losses of the base
   model and a reference model (:func:`excess_loss_scores`, :func:`token_influence`, :func:`response_scores`; the
-  warmup checkpoint is the default reference), selection by :func:`token_cleaning_masks`, either at ratio
-  ``rho_r`` or at the matched combined budget of App. B.2 (:func:`one_sided_matched_budget`).
+  warmup checkpoint is the default reference).  The score is the same for both (``l_base - l_ref``, keep high);
+  RHO-1 takes each example's Top-b (:func:`token_cleaning_masks`, at ratio ``rho_r`` or at the matched combined
+  budget of App. B.2, :func:`one_sided_matched_budget`), Token Cleaning one corpus-wide Top-B with B the sum of
+  the matched budgets (:func:`token_cleaning_global_masks`, its fixed-model cleaning's global threshold).
 * **Independent and Sequential compositions** (App. D.1): :func:`independent_composition` and
   :func:`sequential_composition`.
 
@@ -29,7 +31,7 @@ information, predictable ones are dropped.  SPEC §7 allows LLMLingua-2 "when it
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -196,9 +198,11 @@ def token_influence(loss_base: np.ndarray, loss_ref: np.ndarray) -> np.ndarray:
     Token Cleaning measures a token's quality by the influence of the model update on its loss, the loss change
     from the base model to the reference model.  Its sign convention is opposite to RHO-1's: a negative influence
     (the update lowered the token's loss) marks an informative token; their fixed-model cleaning keeps the tokens
-    with the largest loss reduction.  ``-token_influence`` is therefore RHO-1's excess loss and both rank tokens
-    identically within an example; they differ in how the original methods pick the threshold (RHO-1 per batch,
-    Token Cleaning globally over the data set), which the matched per-example budgets of App. B.2 replace.
+    with the largest loss reduction.  ``-token_influence`` is therefore RHO-1's excess loss: the two scores are
+    the same formula (the Token Cleaning code computes ``loss_base - loss_ref`` for both its method and its RHO
+    baseline).  The methods differ in the ranking scope: RHO-1 ranks within a sample (within a batch in its
+    pre-training form, with the model being trained as "base"), Token Cleaning over the whole data set
+    (:func:`token_cleaning_global_masks`).
 
     Args:
         loss_base: (n,) per-position token losses of the base model.
@@ -315,6 +319,37 @@ def _one_sided_budgets(
     raise ValueError(f"budget must be 'ratio' or 'matched', got {budget!r}")
 
 
+def global_response_budgets(scores: Sequence[np.ndarray], total: int) -> np.ndarray:
+    """Per-row budgets of ONE corpus-wide Top-``total`` over all rows' response scores (Token Cleaning's ranking).
+
+    Token Cleaning's fixed-model cleaning ranks the tokens of the whole data set by one score and keeps the top
+    share ("global" in its code, ``select_token_level=global``), where RHO-1 as a fine-tuning baseline ranks within
+    each sample (``sample``).  The ``total`` highest scores over all rows are taken, ties broken by (row, position),
+    and returned as per-row counts; Top-``b_i`` of each row's own scores (:func:`top_b`, ties by position) then
+    selects exactly those positions, because a row's part of a global Top-k is a prefix of its own ranking.
+
+    Args:
+        scores: one (r_i,) array of finite keep-high scores per row, over its eligible response positions.
+        total: corpus budget, ``0 <= total <= sum_i r_i`` (e.g. the sum of the per-row matched budgets).
+
+    Returns:
+        (rows,) int64 budgets with ``sum == total`` and ``0 <= b_i <= r_i``.
+    """
+    arrays = [_row_vector(np.asarray(x, dtype=np.float64).reshape(-1), "scores") for x in scores]
+    sizes = np.array([a.size for a in arrays], dtype=np.int64)  # (rows,)
+    if not 0 <= int(total) <= int(sizes.sum()):
+        raise ValueError(f"total={total} must lie in [0, {int(sizes.sum())}] (all rows' eligible response positions)")
+    out = np.zeros(len(arrays), dtype=np.int64)
+    if int(total) == 0:
+        return out
+    pool = np.concatenate(arrays)  # (sum r_i,) in (row, position) order
+    rows = np.repeat(np.arange(len(arrays)), sizes)
+    # Stable descending sort: equal scores keep (row, position) order, the same order top_b uses within a row.
+    taken = rows[np.argsort(-pool, kind="stable")[: int(total)]]
+    out += np.bincount(taken, minlength=len(arrays))
+    return out
+
+
 # --------------------------------------------------------------------------------------------- one-sided
 
 
@@ -352,6 +387,56 @@ def token_cleaning_masks(
     response_side = scores[prompt_len:]
     return layout.masks(np.ones(b_p, dtype=bool), top_b(scores[layout.response_idx], b_r),
                         response_scores=response_side)
+
+
+def token_cleaning_global_masks(
+    response_scores: Sequence[np.ndarray],
+    prompt_lens: Sequence[int],
+    rho_p: float,
+    rho_r: float,
+    *,
+    has_bos: Sequence[bool] | None = None,
+    fixed_prompt_masks: Sequence[np.ndarray | None] | None = None,
+    fixed_response_masks: Sequence[np.ndarray | None] | None = None,
+) -> list[TokenMasks]:
+    """Token Cleaning with its own corpus-wide threshold (Pang et al., 2025, fixed-model cleaning), prompt intact.
+
+    The corpus budget is the sum of the rows' one-sided matched budgets (:func:`one_sided_matched_budget`; with
+    ``rho_p = 1`` exactly BRIDGE's per-row ``round(rho_r r)``), so the total number of supervised tokens equals
+    the per-example selectors'; it goes to the highest scores over all rows (:func:`global_response_budgets`), so
+    a row whose tokens all score low may get none and a high-scoring row all of its tokens.
+
+    Args:
+        response_scores: one (n_i,) keep-high score vector per row over its positions (only the eligible response
+            positions are read), e.g. :func:`response_scores` ``("token_cleaning", ...)``.
+        prompt_lens: prompt length of each row.
+        rho_p: the two-sided prompt ratio being matched.
+        rho_r: the two-sided response ratio being matched.
+        has_bos: per row, whether position 0 is a BOS token (default: all True).
+        fixed_prompt_masks: per row, optional (prompt_len,) bool extra always-kept prompt positions.
+        fixed_response_masks: per row, optional (n - prompt_len,) bool extra always-supervised response positions.
+
+    Returns:
+        One :class:`TokenMasks` per row, ``b_p = p``; ``sum b_r`` equals the sum of the matched budgets.
+    """
+    k = len(response_scores)
+    if len(prompt_lens) != k:
+        raise ValueError(f"{k} score rows but {len(prompt_lens)} prompt lengths; pass one per row")
+    bos = [True] * k if has_bos is None else list(has_bos)
+    fixed_p = [None] * k if fixed_prompt_masks is None else list(fixed_prompt_masks)
+    fixed_r = [None] * k if fixed_response_masks is None else list(fixed_response_masks)
+    rows, layouts, matched = [], [], []
+    for i in range(k):
+        scores = _row_vector(response_scores[i], "response_scores")
+        layout = _layout(scores.shape[0], int(prompt_lens[i]), bool(bos[i]), fixed_p[i], fixed_r[i])
+        rows.append(scores)
+        layouts.append(layout)
+        matched.append(_one_sided_budgets(layout, "response", rho_r, "matched", rho_p))
+    row_budgets = global_response_budgets([s[lay.response_idx] for s, lay in zip(rows, layouts)],
+                                          sum(b_r for _, b_r in matched))
+    return [lay.masks(np.ones(b_p, dtype=bool), top_b(s[lay.response_idx], int(b)),
+                      response_scores=s[lay.prompt_len:])
+            for s, lay, (b_p, _), b in zip(rows, layouts, matched, row_budgets)]
 
 
 def prompt_selector_masks(

@@ -108,12 +108,52 @@ class TokenLossUDF:
         import pyarrow as pa
 
         rows = batch.select(["input_ids", "prompt_len", "loss_mask", "prompt_offsets", "response_offsets"]).to_pylist()
+        if self.method == "token_cleaning":  # corpus-wide threshold: scores here, masks in the driver
+            scores = token_cleaning_row_scores(self.base, self.reference, rows, self.pad_id)
+            return batch.append_column("token_cleaning_scores", pa.array(scores, type=pa.list_(pa.float64())))
         columns = loss_baseline_columns(self.method, self.base, self.reference, rows, self.rho_p, self.rho_r,
                                         self.pad_id)
         out = batch
         for name, values in columns.items():
             out = out.append_column(f"{self.method}_{name}", pa.array(values, type=pa.list_(pa.int8())))
         return out
+
+
+def token_cleaning_row_scores(base: Any, reference: Any, rows: list[dict], pad_id: int) -> list[list[float]]:
+    """Token Cleaning scores ``l_base - l_ref`` over every position of each row (0 outside the loss mask)."""
+    from raycurate.algorithms import token_baselines as tb
+
+    losses = row_token_losses({"base": base, "reference": reference}, rows, pad_id)
+    out = []
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        out.append(tb.response_scores("token_cleaning", losses["base"][i, :n].numpy(),
+                                      losses["reference"][i, :n].numpy()).tolist())
+    return out
+
+
+def token_cleaning_global_columns(rows: list[dict], scores: list[list[float]], rho_p: float,
+                                  rho_r: float) -> dict[str, list]:
+    """Token Cleaning masks of ALL rows from one corpus-wide threshold (``tb.token_cleaning_global_masks``).
+
+    Returns:
+        ``{"prompt_keep": [...], "loss_mask": [...]}`` int8 lists per row, in the order of ``rows``.
+    """
+    from raycurate.algorithms import token_baselines as tb
+    from raycurate.algorithms.bridge import fixed_masks
+
+    prompt_lens, bos, fixed_p, fixed_r = [], [], [], []
+    for r in rows:
+        n, p = len(r["input_ids"]), int(r["prompt_len"])
+        fp, fr = fixed_masks(p, n, r["prompt_offsets"], r["response_offsets"])
+        prompt_lens.append(p)
+        bos.append(bool(fp[0]))
+        fixed_p.append(fp)
+        fixed_r.append(fr)
+    masks = tb.token_cleaning_global_masks(scores, prompt_lens, rho_p, rho_r, has_bos=bos,
+                                           fixed_prompt_masks=fixed_p, fixed_response_masks=fixed_r)
+    return {"prompt_keep": [m.prompt_keep.astype("int8").tolist() for m in masks],
+            "loss_mask": [m.loss_mask.astype("int8").tolist() for m in masks]}
 
 
 def row_token_losses(models: dict[str, Any], rows: list[dict], pad_id: int, *, whole_row: bool = False) -> dict:
@@ -147,8 +187,9 @@ def loss_baseline_columns(method: str, base: Any, reference: Any, rows: list[dic
                           pad_id: int) -> dict[str, list]:
     """Masks of a loss-based token baseline (SPEC §7, paper App. B.2, D.1) for a batch of token rows.
 
-    * ``rho1`` / ``token_cleaning``: response tokens ranked by excess loss (base - reference) / by negated token
-      influence, prompt intact, at the one-sided matched budget of App. B.2.
+    * ``rho1``: response tokens ranked by excess loss (base - reference) within each row, prompt intact, at the
+      one-sided matched budget of App. B.2.  (``token_cleaning`` ranks the same score over the whole corpus:
+      :func:`token_cleaning_row_scores` + :func:`token_cleaning_global_columns`; here it is ranked per row.)
     * ``independent``: prompt tokens by base-model surprisal (the offline LLMLingua stand-in, see
       :mod:`raycurate.algorithms.token_baselines`) and response tokens by Token Cleaning scores, both on the full
       example, at BRIDGE's per-side budgets ("LLM+TC (Ind.)").
@@ -241,9 +282,37 @@ def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stag
                 "reference_dir": str(output_path(run, warmup_stage, "model")), "method": method,
                 "rho_p": bridge_cfg.rho_p, "rho_r": bridge_cfg.rho_r, "threads": max(1, int(round(pool.num_cpus))),
             }, pool)
-            ds.write_parquet(str(out / "masks"))
+            if method != "token_cleaning":
+                ds.write_parquet(str(out / "masks"))
+            else:
+                _write_token_cleaning_global(ds, out, bridge_cfg)
         return StageOutput(outputs={"masks": "masks"}, metrics={"method": method})
 
     config = {"method": method, "rho_p": bridge_cfg.rho_p, "rho_r": bridge_cfg.rho_r, "seed": bridge_cfg.seed}
+    if method == "token_cleaning":
+        config["ranking"] = "corpus"  # its own global threshold (was per row until issue #26 item 3)
     return run_stage(run, stage, body, config=config, upstream=[selection_stage, warmup_stage, base_stage],
                      force=force)
+
+
+def _write_token_cleaning_global(ds: Any, out: Path, bridge_cfg: Any) -> None:
+    """Scores from the actor pool -> ``out/scores``; one corpus-wide Top-B in the driver -> ``out/masks``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ds.write_parquet(str(out / "scores"))
+    parts = [pq.read_table(p) for p in sorted((out / "scores").glob("*.parquet"))]
+    cols = ["input_ids", "prompt_len", "prompt_offsets", "response_offsets"]
+    rows = [r for t in parts for r in t.select(cols).to_pylist()]
+    scores = [s for t in parts for s in t["token_cleaning_scores"].to_pylist()]
+    columns = token_cleaning_global_columns(rows, scores, bridge_cfg.rho_p, bridge_cfg.rho_r)
+    (out / "masks").mkdir()
+    start = 0
+    for index, table in enumerate(parts):
+        stop = start + table.num_rows
+        table = table.drop_columns(["token_cleaning_scores"])
+        for name, values in columns.items():
+            table = table.append_column(f"token_cleaning_{name}", pa.array(values[start:stop],
+                                                                            type=pa.list_(pa.int8())))
+        pq.write_table(table, out / "masks" / f"part-{index:05d}.parquet")
+        start = stop
