@@ -146,3 +146,35 @@ def test_bds_weights_show_auroc_with_interval_per_kind_and_the_sampling_order_ch
     assert (sel["value"], sel["low"], sel["high"]) == (0.8, 0.78, 0.82)
     html = section_bilevel(tmp_path, manifest)
     assert "0.800 [0.780, 0.820]" in html and "truncated" in html and "+0.020" in html
+
+
+def test_token_baselines_sit_beside_bridge_against_random_tokens(run_dir):
+    # Hand-made per-question sampled scores: random tokens 0.25 (the fixture's), RHO-1 0.125, Token Cleaning 0.5.
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    stages = manifest["stages"]
+    ones = np.ones(N)
+    rho1 = np.r_[np.full(25, 1.0), np.zeros(175)]  # mean 0.125: 25 x (+0.5) and 75 x (-0.5) against random
+    tc = np.full(N, 0.5)
+    _write_eval(run_dir, stages, "rho1", ones, rho1)
+    _write_eval(run_dir, stages, "token_cleaning", ones, tc)
+    stages["train_rho1"] = {"status": "done", "seconds": 3.0}
+    stages["baseline_rho1_masks"] = {"status": "done", "seconds": 4.0}
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    result = curation_comparisons(run_dir, manifest)
+    by_model = {m["model"]: m for m in result["methods"]}
+    assert list(by_model) == ["bridge", "rho1", "token_cleaning"]  # independent / sequential did not run
+    assert by_model["rho1"]["baseline"] == "random"
+    assert by_model["rho1"]["vs_baseline"]["value"] == pytest.approx(0.125 - 0.25)
+    assert by_model["rho1"]["vs_baseline"]["high"] < 0
+    assert by_model["token_cleaning"]["vs_baseline"]["value"] == pytest.approx(0.25) and \
+        by_model["token_cleaning"]["vs_baseline"]["low"] > 0
+    assert by_model["rho1"]["seconds"] == pytest.approx(3.0 + 4.0)
+    html = section_curation(run_dir, manifest)
+    assert "RHO-1 (excess loss, per example)" in html and "Token Cleaning (excess loss, corpus-wide)" in html
+    # The proving ground pools each against random tokens and BRIDGE minus each, seed by seed.
+    _, label, scores = heldout_scores(run_dir, manifest)
+    summary = summarize_seeds({0: (label, scores), 1: (label, scores)})
+    pooled = summary["comparisons"]["bridge vs rho1"]["pooled"]
+    assert pooled["value"] == pytest.approx(0.375 - 0.125) and pooled["low"] > 0
+    assert summary["comparisons"]["token_cleaning vs random"]["pooled"]["value"] == pytest.approx(0.25)
+    assert "bridge vs independent" not in summary["comparisons"]  # not evaluated: no pair

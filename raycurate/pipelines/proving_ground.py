@@ -33,7 +33,7 @@ def seed_config(cfg: Any, seed: int) -> Any:
 def _comparisons(scores: dict[str, Any]) -> dict[str, tuple[str, str]]:
     """Name -> (treatment, control) of every paired comparison the scores allow."""
     from raycurate.pipelines.curate import COMPOSITION_MODEL
-    from raycurate.report.curation import METHODS
+    from raycurate.report.curation import METHODS, TOKEN_BASELINES
 
     pairs = {"oracle: clean vs mixed": ("clean", "mixed")}
     pairs.update({f"{model} vs base": (model, "base") for model in scores if model != "base"})
@@ -41,6 +41,7 @@ def _comparisons(scores: dict[str, Any]) -> dict[str, tuple[str, str]]:
         pairs[f"{spec.model} vs mixed"] = (spec.model, "mixed")
         if spec.baseline:
             pairs[f"{spec.model} vs {spec.baseline}"] = (spec.model, spec.baseline)
+    pairs.update({f"bridge vs {name}": ("bridge", name) for name in TOKEN_BASELINES})  # same token budgets
     for model in scores:  # pipeline curate: the composition minus each arm at the matched token budget
         if model.startswith(f"{COMPOSITION_MODEL}_"):
             arm = model.removeprefix(f"{COMPOSITION_MODEL}_")

@@ -48,7 +48,13 @@ class MethodSpec:
 
 METHODS: tuple[MethodSpec, ...] = (
     MethodSpec("bridge", "BRIDGE (token selection)", "random", ("bridge_", "train_bridge", "eval_bridge")),
-    MethodSpec("token_cleaning", "Token Cleaning", "random", ("baseline_token_cleaning", "train_token_cleaning")),
+    MethodSpec("rho1", "RHO-1 (excess loss, per example)", "random", ("baseline_rho1", "train_rho1")),
+    MethodSpec("token_cleaning", "Token Cleaning (excess loss, corpus-wide)", "random",
+               ("baseline_token_cleaning", "train_token_cleaning")),
+    MethodSpec("independent", "surprisal + Token Cleaning (independent)", "random",
+               ("baseline_independent", "train_independent")),
+    MethodSpec("sequential", "surprisal -> Token Cleaning (sequential)", "random",
+               ("baseline_sequential", "train_sequential")),
     MethodSpec("p2d", "P2D (examples + heads)", "p2d_random_data",
                ("p2d_proxy", "p2d_heads", "p2d_probe", "p2d_select", "p2d_rows", "train_p2d", "eval_p2d")),
     MethodSpec("bilevel_bds", "BDS (learned weights)", "bilevel_random",
@@ -58,6 +64,11 @@ METHODS: tuple[MethodSpec, ...] = (
     MethodSpec("bilevel_dsir", "DSIR", "bilevel_random", ("bilevel_dsir", "train_bilevel_dsir")),
     MethodSpec("bilevel_less", "LESS", "bilevel_random", ("bilevel_less", "train_bilevel_less")),
 )
+
+
+#: The token-selection baselines of ``bridge.baselines`` other than random tokens (their models share the names);
+#: each is compared with random tokens (its ``MethodSpec.baseline``) and with BRIDGE at the same budgets.
+TOKEN_BASELINES: tuple[str, ...] = ("rho1", "token_cleaning", "independent", "sequential")
 
 
 def _predictions(run_dir: Path, manifest: dict, model: str) -> dict[str, dict] | None:
