@@ -611,3 +611,46 @@ def test_trainable_state_dict_drops_every_alias_of_a_frozen_tied_embedding():
     load_trainable_state_dict(model, state)
     with pytest.raises(RuntimeError, match="missing trainable keys"):
         load_trainable_state_dict(model, {k: v for k, v in state.items() if "lora_A" not in k})
+
+
+def test_lora_on_a_bf16_frozen_base_trains_fp32_adapters_close_to_the_fp32_run(tiny_model, token_table, tmp_path):
+    from raycurate.stages.train import SFTJob as Job
+    from raycurate.training.engines import build_model_engine
+
+    base = dict(engine="ddp", micro_batch_size=2, effective_batch_size=4, max_steps=2, lr=5e-2, num_workers=1,
+                seed=1, adapter="lora", lora_r=4, lora_alpha=8, lora_targets=["q_proj", "v_proj"])
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = TrainConfig(frozen_dtype=dtype, **base)
+        job = Job(token_table, tiny_model, str(tmp_path / dtype), cfg, False, 1.0, adapter=cfg.adapter_spec())
+        engine, _, _ = build_model_engine(job, 2, torch.device("cpu"))
+        dtypes = {(p.requires_grad, p.dtype) for p in engine.module.parameters()}
+        frozen = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        assert dtypes == {(True, torch.float32), (False, frozen)}
+        runs[dtype] = train_loop(job, LocalSession(str(tmp_path / f"ckpt_{dtype}")))
+    assert runs["bfloat16"]["loss_per_step"] == pytest.approx(runs["float32"]["loss_per_step"], rel=2e-2)
+    assert {v.dtype for v in _weights(str(tmp_path / "bfloat16")).values()} == {torch.float32}  # the base's dtype
+
+
+def test_frozen_dtype_applies_to_lora_only():
+    from raycurate.training.engines import load_dtype
+
+    cpu, cfg = torch.device("cpu"), TrainConfig(frozen_dtype="bfloat16")
+    assert load_dtype(cfg, {"kind": "lora", "r": 2}, cpu, bf16=False) == torch.bfloat16
+    assert load_dtype(cfg, None, cpu, bf16=False) == torch.float32  # full fine-tuning trains every weight
+    assert load_dtype(cfg, {"kind": "head_delta", "heads": [[0, 0]]}, cpu, bf16=False) == torch.float32
+    assert load_dtype(TrainConfig(), {"kind": "lora"}, cpu, bf16=False) == torch.float32
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_deepspeed_lora_on_a_bf16_frozen_base_trains_and_exports(ray_local, tiny_model, token_table, tmp_path):
+    lora = dict(num_workers=1, max_steps=2, adapter="lora", lora_r=4, lora_alpha=8, lora_targets=["q_proj", "v_proj"])
+    runs = {dtype: _launch(f"zero2 lora frozen {dtype}", token_table, tiny_model, str(tmp_path / dtype),
+                           _zero_cfg(frozen_dtype=dtype, **lora), storage_dir=str(tmp_path / f"s_{dtype}"),
+                           name="sft")
+            for dtype in ("float32", "bfloat16")}
+    assert runs["bfloat16"]["loss_per_step"] == pytest.approx(runs["float32"]["loss_per_step"], rel=2e-2)
+    merged, init = _weights(str(tmp_path / "bfloat16")), _weights(tiny_model)
+    changed = {k for k in init if not torch.equal(merged[k], init[k])}
+    assert changed and all(("q_proj" in k or "v_proj" in k) for k in changed)

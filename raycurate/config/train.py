@@ -58,6 +58,12 @@ class TrainConfig:
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "Linear module names LoRA wraps (train.adapter=lora); the default is every linear layer of a Llama block.",
     )
+    frozen_dtype: str = option(
+        "float32", "dtype of the frozen base weights of a LoRA run (train.adapter=lora or a method's LoRA); the "
+        "adapter trains in fp32 either way. bfloat16 halves their memory and, on CPUs with AVX512-BF16/AMX, made a "
+        "SmolLM2-135M LoRA step 1.7x faster (benchmarks/bench_cpu_precision.py); activations are then bf16.",
+        choices=("float32", "bfloat16"),
+    )
     lr: float = option(2e-5, "Peak learning rate of AdamW.", gt=0)
     weight_decay: float = option(0.0, "AdamW decoupled weight decay.", ge=0)
     warmup_ratio: float = option(0.03, "Fraction of optimizer steps with linear warmup before the cosine decay.",

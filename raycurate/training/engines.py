@@ -291,6 +291,20 @@ def build_engine(model: Any, cfg: TrainConfig, run_steps: int, device: Any, bf16
     raise ValueError(f"train.engine={cfg.engine!r} is unknown; use one of ['ddp', 'deepspeed'].")
 
 
+def load_dtype(cfg: TrainConfig, adapter: dict | None, device: Any, bf16: bool) -> Any:
+    """The dtype the base weights are loaded in: bf16 for DeepSpeed bf16 on GPU, and for the frozen base of a LoRA
+    run with ``train.frozen_dtype=bfloat16`` (its adapter stays fp32); else fp32."""
+    import torch
+
+    from raycurate.models.adapters import adapter_kind
+
+    if bf16 and cfg.engine == "deepspeed" and device.type == "cuda":
+        return torch.bfloat16
+    if cfg.frozen_dtype == "bfloat16" and adapter_kind(adapter) == "lora":
+        return torch.bfloat16
+    return torch.float32
+
+
 def build_model_engine(job: Any, run_steps: int, device: Any, *, load_universal: bool = False) -> tuple[Any, int, int]:
     """Load ``job.init_model``, attach ``job.adapter`` and wrap it in the configured engine.
 
@@ -309,8 +323,10 @@ def build_model_engine(job: Any, run_steps: int, device: Any, *, load_universal:
 
     cfg = job.cfg
     bf16 = use_bf16(cfg, device)
-    load_dtype = torch.bfloat16 if bf16 and cfg.engine == "deepspeed" and device.type == "cuda" else torch.float32
-    model = apply_adapter(load_model(job.init_model, load_dtype), job.adapter)
+    model = apply_adapter(load_model(job.init_model, load_dtype(cfg, job.adapter, device, bf16)), job.adapter)
+    for param in model.parameters():  # a bf16 frozen base: the adapter still trains (and is saved) in fp32
+        if param.requires_grad and param.dtype != torch.float32 and not (bf16 and device.type == "cuda"):
+            param.data = param.data.float()
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     engine = build_engine(model, cfg, run_steps, device, bf16, load_universal=load_universal)
     return engine, trainable_parameters(model), pad_id
