@@ -175,3 +175,29 @@ def test_curate_run_report_opens_with_the_base_verdict_over_every_arm(tmp_path):
     assert "3 of 5 fine-tuned arms beat the base model in greedy exact match" in top
     assert "composition +0.150 [" in top and "BDS alone +0.100 [" in top
     assert "Oracle gap in greedy exact match" in top and "href='#composition'" in top
+
+
+def test_pool_only_pools_the_seed_runs_on_disk_without_running_them(tmp_path, monkeypatch):
+    import raycurate.pipelines as pipelines
+    from raycurate.config.loader import from_dict
+    from raycurate.config.schema import JobConfig
+    from raycurate.errors import UserError
+    from raycurate.pipelines.proving_ground import run_proving_ground
+
+    for seed, clean in ((0, 150), (1, 140)):
+        folder = tmp_path / "pg" / f"seed-{seed}"
+        folder.mkdir(parents=True)
+        _demo_run(folder, {"base": (_first(10), _first(5)), "mixed": (_first(100), _first(80)),
+                           "clean": (_first(clean), _first(clean - 20))})
+    monkeypatch.setattr(pipelines, "run_pipeline", lambda cfg: pytest.fail("pool_only ran a pipeline"))
+    cfg = from_dict(JobConfig, {"pipeline": "proving_ground", "run": {"name": "pg", "runs_dir": str(tmp_path)},
+                                "proving_ground": {"seeds": [0, 1], "pool_only": True}})
+    summary = run_proving_ground(cfg)
+    oracle = summary["comparisons"]["oracle: clean vs mixed"]
+    assert sorted(oracle["per_seed"]) == ["0", "1"]
+    assert oracle["per_seed"]["0"]["value"] == pytest.approx(0.25)  # greedy (no sampling recorded): 150 - 100 of 200
+    assert (tmp_path / "pg" / "report.html").is_file()
+    cfg = from_dict(JobConfig, {"pipeline": "proving_ground", "run": {"name": "pg", "runs_dir": str(tmp_path)},
+                                "proving_ground": {"seeds": [0, 2], "pool_only": True}})
+    with pytest.raises(UserError, match="seed-2/manifest.json does not exist"):
+        run_proving_ground(cfg)

@@ -110,6 +110,10 @@ class ProvingGroundConfig:
     pipeline: str = option("demo", "Pipeline each seed runs: demo (every method vs its baseline), curate (the "
                            "composition vs each single step at a matched token budget), or a single method.",
                            choices=tuple(p for p in PIPELINES if p != "proving_ground"))
+    pool_only: bool = option(
+        False, "Pool the seeds' runs already in <runs_dir>/<name>/seed-<seed>/ as they are (their manifests and "
+        "held-out evaluations) without running anything: for runs made by an older raycurate or with other "
+        "overrides, whose stage hashes would not match and would re-run. A seed without a run is an error.")
 
     def config_problems(self) -> list[str]:
         """An empty or repeated seed list (checked before anything runs)."""

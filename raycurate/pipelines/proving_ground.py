@@ -149,6 +149,18 @@ def _render(summary: dict) -> str:
             f"</head><body>{body}</body></html>")
 
 
+def existing_manifest(run_dir: Path) -> dict:
+    """The manifest of a seed's finished run (``proving_ground.pool_only``), or a UserError naming the folder."""
+    from raycurate.errors import UserError
+    from raycurate.rundir import parse_manifest
+
+    path = run_dir / "manifest.json"
+    if not path.is_file():
+        raise UserError(f"proving_ground.pool_only: {path} does not exist; run that seed first (drop pool_only) "
+                        "or leave it out of proving_ground.seeds")
+    return parse_manifest(path.read_text(), str(path))
+
+
 def run_proving_ground(cfg: Any) -> dict:
     """Run ``proving_ground.pipeline`` for every seed of ``proving_ground.seeds`` and write the pooled summary
     (every evaluated model's per-question scores feed the comparisons); returns it."""
@@ -160,14 +172,16 @@ def run_proving_ground(cfg: Any) -> dict:
 
     if is_uri(cfg.run.runs_dir):
         raise ValueError("pipeline proving_ground writes its summary locally; give run.runs_dir a local folder")
-    check_split_sizes(cfg)  # every seed's splits, before the first seed starts Ray
+    pool_only = cfg.proving_ground.pool_only
+    if not pool_only:
+        check_split_sizes(cfg)  # every seed's splits, before the first seed starts Ray
     per_seed, by_metric, budgets = {}, {}, {}
     for seed in cfg.proving_ground.seeds:
         child = seed_config(cfg, seed)
-        log.info("proving ground: corpus seed %d, pipeline %s -> %s/%s", seed, child.pipeline, child.run.runs_dir,
-                 child.run.name)
-        manifest = run_pipeline(child)
         run_dir = Path(child.run.runs_dir) / child.run.name
+        log.info("proving ground: corpus seed %d, pipeline %s -> %s%s", seed, child.pipeline, run_dir,
+                 " (pooled as it is)" if pool_only else "")
+        manifest = existing_manifest(run_dir) if pool_only else run_pipeline(child)
         loaded = aligned_scores(run_dir, manifest, evaluated_models(manifest))
         if loaded is not None:
             per_seed[seed] = (loaded[1], loaded[2])
