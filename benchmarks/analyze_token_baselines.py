@@ -30,6 +30,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from analyze_bridge_selection import TYPES, fmt, print_table, read_parts, stage_dir, token_types  # noqa: E402
 
 
+def _label(row: dict) -> dict:
+    """The row's ground-truth label as a dict (parquet map columns read back as a list of pairs)."""
+    label = row.get("label") or {}
+    return dict(label) if isinstance(label, list) else label
+
+
+def train_reference(model_dir: Path, rows: list[dict], steps: int, pad_id: int, batch: int = 32,
+                    lr: float = 2e-3) -> object:
+    """A reference model trained here: ``steps`` AdamW steps of SFT on ``rows`` (cycled, fixed order), eval mode."""
+    import torch
+
+    from raycurate.algorithms.bridge import pad_rows
+    from raycurate.algorithms.losses import mean_supervised_loss, model_token_losses
+    from raycurate.models.loading import load_model
+
+    torch.manual_seed(0)
+    model = load_model(str(model_dir), dtype="float32", device="cpu").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    for step in range(steps):
+        chunk = [rows[(step * batch + k) % len(rows)] for k in range(batch)]
+        b = pad_rows(chunk, pad_id)
+        loss = mean_supervised_loss(model_token_losses(model, b["input_ids"], b["attention_mask"], b["loss_mask"]),
+                                    b["loss_mask"]).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return model.eval()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path)
@@ -37,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--domain", default="math")
     parser.add_argument("--rho-r", type=float, default=0.75)
     parser.add_argument("--reference-stage", default="bridge_warmup")
+    parser.add_argument("--train-reference", type=int, default=0, metavar="STEPS",
+                        help="instead of the stored reference, train one here: STEPS AdamW steps (batch 32, lr 2e-3) "
+                        "from the base model on the warmup split (a diagnostic of what the reference needs)")
+    parser.add_argument("--clean-reference", action="store_true",
+                        help="with --train-reference: train on the warmup split's uncorrupted rows only (oracle "
+                        "labels; RHO-1 and Token Cleaning assume a reference trained on clean data)")
     args = parser.parse_args(argv)
 
     import torch
@@ -54,8 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     overlap = sum(r["id"] in warm_ids for r in sel)
     rows = [r for r in sel if r["domain"] == args.domain][: args.rows]
     base = load_model(str(run / "base_model" / "model"), dtype="float32", device="cpu").eval()
-    ref = load_model(str(run / args.reference_stage / "model"), dtype="float32", device="cpu").eval()
     pad = load_tokenizer(str(run / "base_model" / "model")).pad_token_id or 0
+    if args.train_reference:
+        warm = read_parts(run / "bridge_warmup_rows" / "tokens")
+        if args.clean_reference:
+            warm = [r for r in warm if _label(r).get("clean", False)]
+        ref = train_reference(run / "base_model" / "model", warm, args.train_reference, pad)
+        print(f"(reference: {args.train_reference} steps on {len(warm)} warmup rows"
+              f"{', clean only' if args.clean_reference else ''})")
+    else:
+        ref = load_model(str(run / args.reference_stage / "model"), dtype="float32", device="cpu").eval()
 
     per_row = []  # (types, l_base, l_ref, eligible (r,) bool) per row
     for i in range(0, len(rows), 16):

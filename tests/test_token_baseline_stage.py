@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from raycurate.algorithms.selection import budgets
-from raycurate.stages.bridge_compact import loss_baseline_columns
+from raycurate.stages.bridge_compact import loss_baseline_columns, token_cleaning_global_columns
 
 
 def _rows() -> list[dict]:
@@ -100,3 +102,30 @@ def test_token_cleaning_stage_ranks_the_corpus_with_rho1s_total(models):
     top = {(i, j) for _, i, j in sorted(pool, key=lambda t: -t[0])[:4]}
     assert {(i, j) for i in range(2) for j in range(5, 9) if cols["loss_mask"][i][j]} == top
     assert all(all(k) for k in cols["prompt_keep"]) and all(m[-1] == 1 for m in cols["loss_mask"])
+
+
+def test_token_cleaning_stage_writes_masks_in_the_row_order_of_its_score_parts(models, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raycurate.config.bridge import BridgeConfig
+    from raycurate.stages.bridge_compact import _write_token_cleaning_global, token_cleaning_row_scores
+
+    base, reference = models
+    rows = _rows()
+    scores = token_cleaning_row_scores(base, reference, rows, pad_id=0)
+
+    class TwoParts:  # what the actor pool's dataset writes: one part per row here
+        def write_parquet(self, path: str) -> None:
+            Path(path).mkdir()
+            for i, (r, s) in enumerate(zip(rows, scores)):
+                pq.write_table(pa.Table.from_pylist([{**r, "id": f"r{i}", "token_cleaning_scores": s}]),
+                               Path(path) / f"part-{i}.parquet")
+
+    (tmp_path / "masks").mkdir()  # the stage body creates it before the pool runs
+    _write_token_cleaning_global(TwoParts(), tmp_path, BridgeConfig(rho_p=1.0, rho_r=0.5))
+    written = [pq.read_table(p).to_pylist()[0] for p in sorted((tmp_path / "masks").glob("*.parquet"))]
+    assert [r["id"] for r in written] == ["r0", "r1"] and "token_cleaning_scores" not in written[0]
+    expected = token_cleaning_global_columns(rows, scores, rho_p=1.0, rho_r=0.5)
+    assert [r["token_cleaning_loss_mask"] for r in written] == expected["loss_mask"]
+    assert sum(sum(r["token_cleaning_loss_mask"][5:9]) for r in written) == 4

@@ -64,8 +64,9 @@ class BridgeConfig:
     micro_batch: int = option(8, "Examples per forward JVP / attention pass inside a scoring actor.", ge=1)
     diagnostics_rows: int = option(200, "Examples in the fidelity diagnostics sample (0 disables).", ge=0)
     baselines: list[str] = option(
-        ["random"], "Token-selection baselines trained at matched budgets: random, rho1 (excess loss), "
-        "token_cleaning, independent / sequential (surprisal prompt selector + Token Cleaning, App. D.1).",
+        ["random"], "Token-selection baselines trained at matched budgets: random, rho1 (excess loss l_base - l_ref "
+        "per example), token_cleaning (the same score, one corpus-wide threshold), independent / sequential "
+        "(surprisal prompt selector + Token Cleaning scores per example, App. D.1; at rho_p = 1 both equal rho1).",
         items=BRIDGE_BASELINES,
     )
     seed: int = option(0, "Seed of the random baseline and the diagnostics sample.")

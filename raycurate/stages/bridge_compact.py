@@ -306,7 +306,7 @@ def _write_token_cleaning_global(ds: Any, out: Path, bridge_cfg: Any) -> None:
     rows = [r for t in parts for r in t.select(cols).to_pylist()]
     scores = [s for t in parts for s in t["token_cleaning_scores"].to_pylist()]
     columns = token_cleaning_global_columns(rows, scores, bridge_cfg.rho_p, bridge_cfg.rho_r)
-    (out / "masks").mkdir()
+    (out / "masks").mkdir(exist_ok=True)  # the stage body made it
     start = 0
     for index, table in enumerate(parts):
         stop = start + table.num_rows
