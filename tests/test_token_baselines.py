@@ -261,3 +261,15 @@ def test_sequential_differs_from_independent_when_the_prompt_changes_the_scores(
 def test_sequential_rejects_scores_of_the_wrong_length():
     with pytest.raises(ValueError, match="compacted|whole row"):
         sequential_composition(np.arange(PLEN, dtype=float), lambda keep: np.zeros(N), N, 0.5, 0.5)
+
+
+def test_at_rho_p_1_the_compositions_reduce_to_per_example_rho1():
+    # With every prompt token kept, "independent" has no prompt selection left and "sequential" rescores the
+    # uncompacted row: both select RHO-1's per-example Top-b (so the demo's rho_p = 1 runs them for nothing).
+    scores = np.array([0.0, 3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 0.0])
+    prompt = np.arange(PLEN, dtype=float)
+    rho1 = token_cleaning_masks(scores, PLEN, 0.75, budget="matched", rho_p=1.0)
+    ind = independent_composition(prompt, scores, N, 1.0, 0.75)
+    seq = sequential_composition(prompt, lambda keep: scores, N, 1.0, 0.75)
+    for m in (ind, seq):
+        assert m.prompt_keep.all() and m.loss_mask.tolist() == rho1.loss_mask.tolist()
