@@ -6,7 +6,12 @@ steps and a ``#### answer`` line for the closure.  numpy/BLAS/torch run on one t
 core.  Throughput counts ``p + r`` tokens per example and divides by the process CPU time of the timed loop
 (wall time is printed too; they agree on an idle machine).  Usage::
 
-    python benchmarks/bench_selection.py [--examples 3000] [--rounds 4] [--seed 0]
+    python benchmarks/bench_selection.py [--examples 3000] [--rounds 4] [--seed 0] [--compare 3]
+
+Since issue #29 the selection and closure run compiled kernels (``raycurate.algorithms.kernels``, numba) where
+numba is installed; ``--compare N`` times the numpy code and the kernels interleaved, N runs each, in this one
+process, and prints each run, the medians, their ratio and the load average (a shared machine moves the absolute
+numbers, the ratio much less).  The timed numbers are the kernels' (the numpy code's with ``RAYCURATE_KERNELS=0``).
 
 Closure comes from ``raycurate.algorithms.closure.project_response`` (alignment check + structural units + the
 projection, i.e. everything the stage runs per example; offsets go in as the (r, 2) array the stage passes since
@@ -101,6 +106,7 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=128, help="distinct generated examples")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare", type=int, default=0, help="interleaved runs of numpy code vs kernels")
     args = parser.parse_args()
     try:
         import torch
@@ -116,7 +122,9 @@ def main() -> None:
 
     rounds_run = [select(i.beta, i.gamma, *budgets(*i.beta.shape, 0.75, 0.75), rounds=args.rounds).rounds_run
                   for i in pool]
-    timed(pool, min(len(pool), args.examples), args.rounds, project_response)  # warm-up
+    timed(pool, min(len(pool), args.examples), args.rounds, project_response)  # warm-up (and kernel compile)
+    if args.compare:
+        compare(pool, args, project_response)
     sel_tokens, sel_wall, sel_cpu = timed(pool, args.examples, args.rounds, None)
     if project_response is not None:
         tokens, wall, cpu = timed(pool, args.examples, args.rounds, project_response)
@@ -131,6 +139,27 @@ def main() -> None:
               f"{tokens / cpu:,.0f} tokens/s cpu, {tokens / wall:,.0f} tokens/s wall")
     print(f"closure={int(project_response is not None)} selection_tokens_per_s_per_core={sel_tokens / sel_cpu:.0f}")
     print(f"tokens_per_s_per_core={tokens / cpu:.0f}")
+
+
+def compare(pool: list[Instance], args: argparse.Namespace, project_response) -> None:
+    """Numpy code and compiled kernels, interleaved in this process: tokens/s per core of selection + closure."""
+    from raycurate.algorithms import kernels
+
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    load0 = os.getloadavg()
+    for _ in range(args.compare):
+        for on in (False, True):
+            with kernels.enabled(on):
+                tokens, _, cpu = timed(pool, args.examples, args.rounds, project_response)
+            runs[on].append(tokens / cpu)
+    load1 = os.getloadavg()
+    numpy_med, kernel_med = float(np.median(runs[False])), float(np.median(runs[True]))
+    print("numpy code: " + " / ".join(f"{x:,.0f}" for x in runs[False]) + " tokens/s per core")
+    print("kernels:    " + " / ".join(f"{x:,.0f}" for x in runs[True]) + " tokens/s per core")
+    print(f"load average before {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}, after {load1[0]:.2f} {load1[1]:.2f} "
+          f"{load1[2]:.2f}")
+    print(f"numpy_tokens_per_s_per_core={numpy_med:.0f} kernel_tokens_per_s_per_core={kernel_med:.0f} "
+          f"kernel_over_numpy={kernel_med / numpy_med:.3f}")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from raycurate.algorithms import kernels
 from raycurate.algorithms.selection import greedy_density, knapsack_dp, top_b
 from raycurate.algorithms.units import MAX_UNIT_TOKENS, MIN_UNIT_TOKENS, Unit, units_and_core
 
@@ -346,13 +347,22 @@ def closure_projection(
         unit_id, core = _unit_index(units, scores.shape[0], partition=True)
     else:
         unit_id, core = np.repeat(np.arange(len(units)), [u.size for u in units]), np.asarray(core_mask, dtype=bool)
-    q = _quality(scores, unit_id, core, len(units), tau, alpha, eps)  # (M,)
-    positive = np.bincount(unit_id, weights=np.maximum(scores, 0.0), minlength=len(units))  # (M,)
+    if kernels.active():  # the same sums in one compiled pass
+        sums, sizes, positive = kernels.unit_sums(scores, unit_id, core, len(units), tau)
+        q = np.where(sizes > 0, sums / np.power(sizes + eps, alpha), 0.0)  # (M,) as _quality
+    else:
+        q = _quality(scores, unit_id, core, len(units), tau, alpha, eps)  # (M,)
+        positive = np.bincount(unit_id, weights=np.maximum(scores, 0.0), minlength=len(units))  # (M,)
     picked, solver = _select_optional(units, optional, q, positive, capacity, dp_capacity_limit)
     chosen = np.zeros(len(units), dtype=bool)
     chosen[picked] = True
-    mask |= chosen[unit_id]
-    completed = _complete(mask, scores, b_r) if complete_budget else 0
+    if kernels.active():
+        completed, retained = kernels.finish_projection(mask, chosen, unit_id, scores, b_r, complete_budget,
+                                                        token_mask)
+    else:
+        mask |= chosen[unit_id]
+        completed = _complete(mask, scores, b_r) if complete_budget else 0
+        retained = _retained(scores, mask, token_mask)
     covered = final_answer_covered(mask, units)
     return ClosureResult(
         mask=mask,
@@ -360,7 +370,7 @@ def closure_projection(
         used_budget=int(mask.sum()),
         fallback=False,
         final_answer_kept=bool(covered),
-        utility_retained=_retained(scores, mask, token_mask),
+        utility_retained=retained,
         units=units,
         has_final_answer=covered is not None,
         solver=solver,

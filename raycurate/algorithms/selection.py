@@ -30,6 +30,8 @@ from typing import Literal
 
 import numpy as np
 
+from raycurate.algorithms import kernels
+
 SCHEDULES = ("independent", "one_pass", "alternating")
 Schedule = Literal["independent", "one_pass", "alternating"]
 
@@ -201,6 +203,10 @@ def top_b(scores: np.ndarray, b: int) -> np.ndarray:
     n = scores.shape[0]
     if not 0 <= b <= n:
         raise ValueError(f"budget b={b} must lie in [0, {n}] (the number of eligible positions)")
+    if kernels.active():  # the same set by a compiled selection (NaN scores fall through to the sort)
+        mask = np.empty(n, dtype=bool)
+        if kernels.top_b_into(scores, int(b), mask):
+            return mask
     mask = np.zeros(n, dtype=bool)
     # Stable sort of the negated scores: descending order, equal scores keep ascending position order.
     mask[np.argsort(-scores, kind="stable")[:b]] = True
@@ -387,6 +393,10 @@ def _independent(beta: np.ndarray, gamma: np.ndarray, bias: np.ndarray, b_p: int
 def _alternate(
     beta: np.ndarray, gamma: np.ndarray, bias: np.ndarray, b_p: int, b_r: int, rounds: int
 ) -> SelectionResult:
+    compiled = kernels.alternate(beta, gamma, bias, int(b_p), int(b_r), rounds) if kernels.active() else None
+    if compiled is not None:  # the same rounds with the work between the BLAS products compiled (bit-identical)
+        s_p, s_r, prompt_scores, response_scores, u_sur, t, converged = compiled
+        return SelectionResult(s_p, s_r, prompt_scores, response_scores, u_sur, rounds_run=t, converged=converged)
     s_r = top_b(gamma, b_r)  # (r,) S_r^0 = Top gamma
     u_sur: list[float] = []
     converged, t = False, 0
@@ -556,7 +566,10 @@ def knapsack_dp(
     secondary = pri * (1.0 + float(np.abs(pos).sum())) + pos  # (M,) priority first, then positive utility
     tol = 1e-9 * (1.0 + float(np.abs(q).sum()))
     delta = 0.5 * tol / (1.0 + float(np.abs(secondary).sum()))
-    gains = (q + delta * secondary).tolist()
+    gains_array = q + delta * secondary  # (M,)
+    if kernels.active():
+        return kernels.knapsack_chosen(np.asarray(w, dtype=np.int64), gains_array, capacity)
+    gains = gains_array.tolist()
     value = np.zeros(capacity + 1)  # best perturbed value within capacity c, (C+1,)
     take: list[np.ndarray | None] = [None] * m  # take[i][c - w_i]: item i improves capacity c, (C+1-w_i,) each
     for i in range(m):

@@ -45,6 +45,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from raycurate.algorithms import kernels
+
 MAX_UNIT_TOKENS = 96
 MIN_UNIT_TOKENS = 4
 PRIORITY = {"answer": 3, "equation": 2}
@@ -537,6 +539,14 @@ def units_and_core(
         ``(units, core_mask, check)``; both None when ``check.ok`` is False.
     """
     nonws, alnum = _char_classes(response)
+    if kernels.active():
+        spans = _span_array(offsets)
+        if kernels.aligned_ok(spans, nonws):
+            return (*_compiled_units(response, domain, spans, nonws, alnum, max_unit_tokens, min_unit_tokens),
+                    AlignmentCheck(True))
+        facts = _span_facts(spans, nonws)
+        check = _alignment(response, facts)  # words the reason
+        return None, None, check
     facts = _span_facts(_span_array(offsets), nonws)
     check = _alignment(response, facts)
     if not check.ok:
@@ -566,5 +576,29 @@ def _build_units(
         Unit(d.start, d.end, d.kind, d.mandatory, PRIORITY.get(d.kind, 1),
              tuple(content_list[bounds[i] : bounds[i + 1]]), tuple(sorted(d.key)) if d.key else ())
         for i, d in enumerate(drafts)
+    ]
+    return units, core
+
+
+def _compiled_units(
+    response: str, domain: str | None, spans: np.ndarray, nonws: np.ndarray, alnum: np.ndarray,
+    max_unit_tokens: int, min_unit_tokens: int,
+) -> tuple[list[Unit], np.ndarray]:
+    """:func:`_build_units` with the token-level work in one compiled kernel (:func:`kernels.build_units`)."""
+    if spans.shape[0] == 0:
+        return [], np.zeros(0, dtype=bool)
+    segs = _segments(response, domain) or [_Seg(0, len(response), "sentence")]
+    kinds = list(dict.fromkeys(s.kind for s in segs))
+    starts, ends, kind_ids, mandatory, core, key = kernels.build_units(
+        np.ascontiguousarray(spans, dtype=np.int64), nonws, alnum, segs, kinds, min_unit_tokens, max_unit_tokens)
+    content, keys = np.flatnonzero(core), np.flatnonzero(key)
+    edges = np.append(starts, ends[-1])
+    bounds, key_bounds = np.searchsorted(content, edges).tolist(), np.searchsorted(keys, edges).tolist()
+    content_list, key_list = content.tolist(), keys.tolist()
+    names = [kinds[k] for k in kind_ids.tolist()]
+    units = [
+        Unit(s, e, names[i], m, PRIORITY.get(names[i], 1), tuple(content_list[bounds[i] : bounds[i + 1]]),
+             tuple(key_list[key_bounds[i] : key_bounds[i + 1]]))
+        for i, (s, e, m) in enumerate(zip(starts.tolist(), ends.tolist(), mandatory.tolist()))
     ]
     return units, core
