@@ -30,6 +30,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from analyze_bridge_selection import TYPES, fmt, print_table, read_parts, stage_dir, token_types  # noqa: E402
 
 
+def stored_mask_tables(run: Path, methods: list[str]) -> None:
+    """Supervised share of eligible response tokens in the stored masks of each method, by type, domain, corruption."""
+    by_type: dict[str, dict[str, list[int]]] = {}
+    by_group: dict[str, dict[str, list[int]]] = {}
+    for method in methods:
+        rows = read_parts(stage_dir(run, f"baseline_{method}_masks") / "masks")
+        t_acc: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        g_acc: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for r in rows:
+            p = int(r["prompt_len"])
+            offsets = np.asarray(r["response_offsets"], dtype=np.int64).reshape(-1, 2)
+            loss = np.asarray(r[f"{method}_loss_mask"], dtype=bool)[p:]
+            types = token_types(r["response"], offsets)
+            elig = [j for j, t in enumerate(types) if t != "fixed" and j < len(types) - 1]
+            for j in elig:
+                if r["domain"] == "math":
+                    t_acc[types[j]][0] += 1
+                    t_acc[types[j]][1] += int(loss[j])
+            for key in (f"domain {r['domain']}", f"corruption {_label(r).get('corruption', '?')}"):
+                g_acc[key][0] += len(elig)
+                g_acc[key][1] += int(sum(loss[j] for j in elig))
+        by_type[method], by_group[method] = t_acc, g_acc
+
+    def share(acc: dict[str, list[int]], key: str) -> str:
+        n, k = acc.get(key, [0, 0])
+        return fmt(k / n) if n else "-"
+
+    print_table(f"Stored masks: supervised share of eligible response tokens by type, math rows ({run})",
+                ["type", *methods], [[t, *(share(by_type[m], t) for m in methods)] for t in TYPES if t != "fixed"
+                                     and any(by_type[m].get(t) for m in methods)])
+    groups = sorted({g for m in methods for g in by_group[m]})
+    print_table("Stored masks: supervised share by domain and corruption kind", ["rows", *methods],
+                [[g, *(share(by_group[m], g) for m in methods)] for g in groups])
+
+
 def _label(row: dict) -> dict:
     """The row's ground-truth label as a dict (parquet map columns read back as a list of pairs)."""
     label = row.get("label") or {}
@@ -73,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clean-reference", action="store_true",
                         help="with --train-reference: train on the warmup split's uncorrupted rows only (oracle "
                         "labels; RHO-1 and Token Cleaning assume a reference trained on clean data)")
+    parser.add_argument("--masks", nargs="*", default=[], metavar="METHOD",
+                        help="also tabulate the masks the run's baseline_<METHOD>_masks stages wrote (all rows): "
+                        "supervision per token type (math rows) and per domain and corruption kind")
     args = parser.parse_args(argv)
+    if args.masks:
+        stored_mask_tables(args.run_dir, args.masks)
 
     import torch
 
