@@ -151,7 +151,9 @@ def section_bridge(run_dir: Path, manifest: dict) -> str:
                    ["final-answer coverage, score only", m.get("final_answer_coverage_score_only")],
                    ["distractor prompt tokens dropped", f"{m.get('distractor_dropped_share', 0):.3f}"],
                    ["relevant prompt tokens dropped", f"{m.get('relevant_dropped_share', 0):.3f}"]]
-    for stage in ("bridge_compact", "baseline_random_compact", "baseline_token_cleaning_compact"):
+    from raycurate.config.bridge import BRIDGE_BASELINES
+
+    for stage in ("bridge_compact", *(f"baseline_{name}_compact" for name in BRIDGE_BASELINES)):
         cm = stages.get(stage, {}).get("metrics", {})
         if "executed_token_ratio" in cm:
             budget_rows.append([f"executed tokens after compaction ({stage})", f"{cm['executed_token_ratio']:.3f}"])
