@@ -288,7 +288,7 @@ def _eligible_r(row: dict) -> int:
 
 def all_cases(seed: int = 0) -> list[tuple[str, Case]]:
     """The reference set: (name, case) pairs; each case returns a dict of output fields."""
-    from raycurate.algorithms.units import spans_from_flat
+    from raycurate.algorithms.alignment import spans_from_flat
 
     cases: list[tuple[str, Case]] = [(f"select/{k}", c) for k, c in enumerate(select_cases(seed, 5000))]
     rows, tokenizer = _corpus(seed, 400)

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+from raycurate.algorithms.alignment import pairs_from_flat, spans_from_flat, verify_alignment
 from raycurate.algorithms.closure import (
     closure_projection,
     final_answer_covered,
@@ -15,15 +16,8 @@ from raycurate.algorithms.closure import (
     top_b_mask,
     unit_quality,
 )
-from raycurate.algorithms.selection import greedy_density, knapsack_dp
-from raycurate.algorithms.units import (
-    Unit,
-    pairs_from_flat,
-    spans_from_flat,
-    structural_units,
-    units_and_core,
-    verify_alignment,
-)
+from raycurate.algorithms.knapsack import greedy_density, knapsack_dp
+from raycurate.algorithms.units import Unit, structural_units, units_and_core
 
 MATH = (
     "She buys 3 toy cars at 6 dollars each, so 3 * 6 = 18 dollars.\n"

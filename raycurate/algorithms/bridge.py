@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from raycurate.algorithms.alignment import spans_from_flat
 from raycurate.algorithms.closure import final_answer_covered, project_response
 from raycurate.algorithms.routing import attention_for_layer, interaction_terms, routing_weights
 from raycurate.algorithms.selection import (
@@ -31,7 +32,6 @@ from raycurate.algorithms.selection import (
     top_b,
 )
 from raycurate.algorithms.token_utility import knockout_prompt_scores, token_utilities
-from raycurate.algorithms.units import spans_from_flat
 
 SCHEDULES = ("independent", "one_pass", "alternating")
 PROMPT_PROXIES = ("routing", "knockout_grad")

@@ -15,7 +15,7 @@ Positions are the example's *eligible* response positions ``0 .. r-1`` (the resp
 without the fixed EOS; template markers such as ``<|end|>`` are eligible and carry ``(-1, -1)`` offsets).
 
 Units, their alignment checks and the rules that cut them live in :mod:`raycurate.algorithms.units`; the generic
-solvers (:func:`~raycurate.algorithms.selection.knapsack_dp`, :func:`~raycurate.algorithms.selection.greedy_density`)
+solvers (:func:`~raycurate.algorithms.knapsack.knapsack_dp`, :func:`~raycurate.algorithms.knapsack.greedy_density`)
 in :mod:`raycurate.algorithms.selection`.  This module scores units and projects the mask onto them.
 
 Decisions (the paper leaves these open; App. G.1 gives the rules, not the constants):
@@ -43,9 +43,9 @@ Decisions (the paper leaves these open; App. G.1 gives the rules, not the consta
   continues), so the residual is filled with single positions by score (descending), then position, until the
   mask holds exactly ``b_r`` positions, like the token-level Top-b it replaces.  ``complete_budget=False``
   turns this off.  The mask never holds more than ``b_r`` positions.
-* **Fallback**: when :func:`units.verify_alignment` fails (offsets out of the text, not monotone, or not covering every
-  non-whitespace character), :func:`project_response` returns the token mask unchanged with ``fallback=True``
-  and the reason.
+* **Fallback**: when :func:`~.alignment.verify_alignment` fails (offsets out of the text, not monotone, or not
+  covering every non-whitespace character), :func:`project_response` returns the token mask unchanged with
+  ``fallback=True`` and the reason.
 
 Cost: on one idle CPU core, ~0.45 ms for the whole :func:`project_response` at r ~ 300 and ~17 units (units
 ~0.28 ms, projection ~0.15 ms; 2026-12-04), almost all of it per-call numpy overhead on arrays of a few hundred
@@ -61,7 +61,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raycurate.algorithms import kernels
-from raycurate.algorithms.selection import greedy_density, knapsack_dp, top_b
+from raycurate.algorithms.knapsack import greedy_density, knapsack_dp
+from raycurate.algorithms.selection import top_b
 from raycurate.algorithms.units import MAX_UNIT_TOKENS, MIN_UNIT_TOKENS, Unit, units_and_core
 
 DP_CAPACITY_LIMIT = 2048
@@ -397,7 +398,7 @@ def project_response(
         response: Response text.
         domain: Record domain (``math`` / ``code`` / ``instruction`` / other -> sentences).
         offsets: (r,) character spans of the eligible response tokens, pairs or an (r, 2) array (use
-            :func:`units.spans_from_flat` on the token row's ``response_offsets`` and drop the EOS).
+            :func:`alignment.spans_from_flat` on the token row's ``response_offsets`` and drop the EOS).
         scores: (r,) final conditional response scores.
         b_r: Response budget.
         token_mask: (r,) pre-projection selection (None = Top-``b_r`` of ``scores``).

@@ -26,7 +26,7 @@ Decisions (the paper leaves these open; App. G.1 gives the rules, not the consta
 * **Core** of a unit (the ``u_core`` of eq. 11): its aligned tokens that contain at least one alphanumeric
   character; whitespace, punctuation, bracket and template tokens are supervised with their unit but do not
   count in ``q(u)``.  A unit with an empty core has ``q = 0``.
-* **Alignment**: :func:`verify_alignment` (offsets inside the text, monotone, covering every non-whitespace
+* **Alignment**: :func:`~.alignment.verify_alignment` (offsets inside the text, monotone, covering every non-whitespace
   character) must pass before units are built; :func:`aligned_units` reports a failure instead of raising, so
   the projection can fall back to the token mask.
 
@@ -36,7 +36,6 @@ build them once per example.
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from collections.abc import Sequence
@@ -46,6 +45,14 @@ from typing import NamedTuple
 import numpy as np
 
 from raycurate.algorithms import kernels
+from raycurate.algorithms.alignment import (
+    AlignmentCheck,
+    Spans,
+    alignment_check,
+    char_classes,
+    span_array,
+    span_facts,
+)
 
 MAX_UNIT_TOKENS = 96
 MIN_UNIT_TOKENS = 4
@@ -93,114 +100,6 @@ class Unit(NamedTuple):
         if self.core is None:
             return np.arange(self.token_start, self.token_end, dtype=np.int64)
         return np.asarray(self.core, dtype=np.int64)
-
-
-@dataclass(frozen=True)
-class AlignmentCheck:
-    """Outcome of :func:`verify_alignment`; ``reason`` is empty when ``ok``."""
-
-    ok: bool
-    reason: str = ""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Alignment
-
-
-def pairs_from_flat(flat: Sequence[int]) -> list[tuple[int, int]]:
-    """``[s0, e0, s1, e1, ...]`` (the token row's ``response_offsets``) -> ``[(s0, e0), (s1, e1), ...]``."""
-    if len(flat) % 2:
-        raise ValueError(f"flat offsets need an even length (start, end per token); got {len(flat)} values")
-    return [(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
-
-
-def spans_from_flat(flat: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``[s0, e0, s1, e1, ...]`` -> (r, 2) int64 spans, the form :func:`aligned_units` takes without conversion."""
-    spans = np.asarray(flat, dtype=np.int64)
-    if spans.ndim != 1 or spans.shape[0] % 2:
-        raise ValueError(f"flat offsets need an even length (start, end per token); got shape {spans.shape}")
-    return spans.reshape(-1, 2)
-
-
-_ASCII_SPACE = np.array([chr(c).isspace() for c in range(128)])
-_ASCII_ALNUM = np.array([chr(c).isalnum() for c in range(128)])
-
-
-def _char_classes(text: str) -> tuple[np.ndarray, np.ndarray]:
-    """(n,) bool non-whitespace and (n,) bool alphanumeric flags per character (vectorised over code points)."""
-    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)  # (n,)
-    if text.isascii():
-        return ~_ASCII_SPACE[codes], _ASCII_ALNUM[codes]
-    space, alnum = np.zeros(codes.shape, dtype=bool), np.zeros(codes.shape, dtype=bool)
-    small = codes < 128
-    space[small], alnum[small] = _ASCII_SPACE[codes[small]], _ASCII_ALNUM[codes[small]]
-    uniq, inverse = np.unique(codes[~small], return_inverse=True)
-    space[~small] = np.array([chr(c).isspace() for c in uniq], dtype=bool)[inverse]
-    alnum[~small] = np.array([chr(c).isalnum() for c in uniq], dtype=bool)[inverse]
-    return ~space, alnum
-
-
-def _span_array(offsets: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
-    """(r, 2) int64 spans from a list of pairs or an array."""
-    if isinstance(offsets, np.ndarray):
-        return offsets.astype(np.int64, copy=False).reshape(-1, 2)
-    flat = itertools.chain.from_iterable(offsets)
-    return np.fromiter(flat, dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
-
-
-class _Spans(NamedTuple):
-    """Token spans and the facts about them that alignment and ownership both use."""
-
-    spans: np.ndarray  # (r, 2) int64 (start, end); (-1, -1) for template/special tokens
-    aligned: np.ndarray  # (r,) bool, the token has a span in the text
-    start: np.ndarray  # (a,) int64 starts of the aligned tokens, in token order
-    end: np.ndarray  # (a,) int64 ends of the aligned tokens
-    nonws_at: np.ndarray  # (k,) int64 positions of the text's non-whitespace characters, ascending
-
-
-def _span_facts(spans: np.ndarray, nonws: np.ndarray) -> _Spans:
-    aligned = (spans[:, 0] != -1) | (spans[:, 1] != -1)  # (r,)
-    return _Spans(spans, aligned, spans[aligned, 0], spans[aligned, 1], np.flatnonzero(nonws))
-
-
-def _alignment(response: str, facts: _Spans) -> AlignmentCheck:
-    n, spans, start, end = len(response), facts.spans, facts.start, facts.end
-    bad = (start < 0) | (start >= end) | (end > n)
-    if bad.any():
-        k = int(np.flatnonzero(facts.aligned)[np.argmax(bad)])
-        return AlignmentCheck(False, f"token {k} span {tuple(spans[k].tolist())} is outside the text of length {n}")
-    back = (start[1:] < start[:-1]) | (end[1:] < end[:-1])
-    if back.any():
-        index = np.flatnonzero(facts.aligned)
-        j = int(np.argmax(back))
-        return AlignmentCheck(False, f"token {int(index[j + 1])} span {tuple(spans[index[j + 1]].tolist())} "
-                                     f"goes back before {tuple(spans[index[j]].tolist())}")
-    # Starts and ends are monotone now, so the last span starting at or before a character reaches furthest right:
-    # the character is covered exactly when that span ends after it.
-    chars = facts.nonws_at
-    last = np.searchsorted(start, chars, side="right") - 1  # (k,)
-    covered = (last >= 0) & (end[np.maximum(last, 0)] > chars) if start.size else np.zeros(chars.shape, bool)
-    if not covered.all():
-        i = int(chars[np.argmin(covered)])
-        return AlignmentCheck(False, f"character {i} ({response[i]!r}) is not covered by any token")
-    return AlignmentCheck(True)
-
-
-def verify_alignment(response: str, offsets: Sequence[tuple[int, int]]) -> AlignmentCheck:
-    """Check that token offsets describe ``response`` faithfully.
-
-    Conditions: every span is ``(-1, -1)`` (special/template token) or ``0 <= start < end <= len(response)``;
-    aligned spans are monotone (starts and ends non-decreasing; byte-level tokens of one multi-byte character may
-    share a span); every non-whitespace character of ``response`` lies in some span.
-
-    Args:
-        response: The response text the offsets index into.
-        offsets: (r,) ``(start, end)`` character spans of the eligible response tokens.
-
-    Returns:
-        ``AlignmentCheck(ok, reason)``; the reason names the first failing token or character.
-    """
-    return _alignment(response, _span_facts(_span_array(offsets), _char_classes(response)[0]))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -373,7 +272,7 @@ def _segments(text: str, domain: str | None) -> list[_Seg]:
 # Token-level units
 
 
-def _owners(segs: list[_Seg], facts: _Spans, n: int) -> np.ndarray:
+def _owners(segs: list[_Seg], facts: Spans, n: int) -> np.ndarray:
     """(r,) segment index per token, placed by its first non-whitespace character; monotone.
 
     Unaligned tokens join the segment of the token before them (leading ones the first aligned token's).
@@ -469,7 +368,7 @@ def structural_units(
         response: The response text.
         domain: ``math``, ``code`` or ``instruction``; anything else (or None) cuts sentences.
         offsets: (r,) ``(start, end)`` character spans of the eligible response tokens (EOS excluded);
-            ``(-1, -1)`` for template/special tokens.  Must pass :func:`verify_alignment`.
+            ``(-1, -1)`` for template/special tokens.  Must pass :func:`~.alignment.verify_alignment`.
         max_unit_tokens: Non-protected units longer than this are split (paper: 96).
         min_unit_tokens: Non-protected units shorter than this merge into a neighbour (paper: 4).
 
@@ -498,7 +397,7 @@ def aligned_units(
     max_unit_tokens: int = MAX_UNIT_TOKENS,
     min_unit_tokens: int = MIN_UNIT_TOKENS,
 ) -> tuple[list[Unit] | None, AlignmentCheck]:
-    """:func:`verify_alignment`, then :func:`structural_units` when it passes, sharing the character scan.
+    """:func:`~.alignment.verify_alignment`, then :func:`structural_units` when it passes, sharing the character scan.
 
     Args:
         response: The response text.
@@ -538,17 +437,17 @@ def units_and_core(
     Returns:
         ``(units, core_mask, check)``; both None when ``check.ok`` is False.
     """
-    nonws, alnum = _char_classes(response)
+    nonws, alnum = char_classes(response)
     if kernels.active():
-        spans = _span_array(offsets)
+        spans = span_array(offsets)
         if kernels.aligned_ok(spans, nonws):
             return (*_compiled_units(response, domain, spans, nonws, alnum, max_unit_tokens, min_unit_tokens),
                     AlignmentCheck(True))
-        facts = _span_facts(spans, nonws)
-        check = _alignment(response, facts)  # words the reason
+        facts = span_facts(spans, nonws)
+        check = alignment_check(response, facts)  # words the reason
         return None, None, check
-    facts = _span_facts(_span_array(offsets), nonws)
-    check = _alignment(response, facts)
+    facts = span_facts(span_array(offsets), nonws)
+    check = alignment_check(response, facts)
     if not check.ok:
         return None, None, check
     units, core = _build_units(response, domain, facts, alnum, max_unit_tokens, min_unit_tokens)
@@ -556,7 +455,7 @@ def units_and_core(
 
 
 def _build_units(
-    response: str, domain: str | None, facts: _Spans, alnum: np.ndarray, max_unit_tokens: int, min_unit_tokens: int,
+    response: str, domain: str | None, facts: Spans, alnum: np.ndarray, max_unit_tokens: int, min_unit_tokens: int,
 ) -> tuple[list[Unit], np.ndarray]:
     """:func:`structural_units` on verified offsets, and the (r,) core mask (character classes (n,))."""
     spans = facts.spans
