@@ -26,6 +26,10 @@ selector of the compositions is either random (:func:`random_scores`) or self-in
 surprisal ``-log p(x_i | x_<i)`` of each prompt token (:func:`surprisal_prompt_scores`), which is the criterion
 of LLMLingua-1 (Jiang et al., 2023) and Selective Context (Li et al., 2023): high-surprisal tokens carry the
 information, predictable ones are dropped.  SPEC §7 allows LLMLingua-2 "when its model is available locally".
+
+Why one ~600-line module: the baselines are the paper's comparison set and share one private layout of a row
+(eligible / fixed positions, matched budgets, the per-row checks at the bottom); split into files they would each
+import those private helpers, and a reader comparing two baselines wants them side by side.
 """
 
 from __future__ import annotations
