@@ -317,16 +317,13 @@ def build_model_engine(job: Any, run_steps: int, device: Any, *, load_universal:
     Returns:
         (engine, trainable parameter count, pad token id).
     """
-    import torch
 
     from raycurate.models.adapters import apply_adapter, trainable_parameters
 
     cfg = job.cfg
     bf16 = use_bf16(cfg, device)
+    # A bf16 frozen base: PEFT creates the LoRA weights in fp32 (autocast_adapter_dtype), so they train in fp32.
     model = apply_adapter(load_model(job.init_model, load_dtype(cfg, job.adapter, device, bf16)), job.adapter)
-    for param in model.parameters():  # a bf16 frozen base: the adapter still trains (and is saved) in fp32
-        if param.requires_grad and param.dtype != torch.float32 and not (bf16 and device.type == "cuda"):
-            param.data = param.data.float()
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     engine = build_engine(model, cfg, run_steps, device, bf16, load_universal=load_universal)
     return engine, trainable_parameters(model), pad_id
