@@ -35,6 +35,8 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from raycurate.algorithms.selection import top_b
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PRECISIONS = ("fp32", "autocast", "bf16")
 
@@ -92,6 +94,7 @@ def timed_arms(model_name: str, ids: torch.Tensor, repeats: int) -> dict[tuple[s
 
 def corpus_batch(model_name: str, rows: int, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(scored batch, validation batch) of tokenized corpus rows, right-padded."""
+    from raycurate.algorithms.bridge import pad_rows
     from raycurate.data.corpus import generate_corpus
     from raycurate.data.tokenize import tokenize_record
     from raycurate.models.loading import load_tokenizer
@@ -100,18 +103,8 @@ def corpus_batch(model_name: str, rows: int, seed: int) -> tuple[dict[str, torch
     records = generate_corpus(2 * rows, seed=seed)
     token_rows = [tokenize_record(tokenizer, r, 384, system_prompt="You are a helpful assistant.") for r in records]
 
-    def pad(part: list[dict]) -> dict[str, torch.Tensor]:
-        width = max(len(r["input_ids"]) for r in part)
-        batch = {k: torch.zeros((len(part), width), dtype=torch.long)
-                 for k in ("input_ids", "attention_mask", "loss_mask")}
-        for i, r in enumerate(part):
-            n = len(r["input_ids"])
-            batch["input_ids"][i, :n] = torch.tensor(r["input_ids"])
-            batch["attention_mask"][i, :n] = 1
-            batch["loss_mask"][i, :n] = torch.tensor(r["loss_mask"])
-        return batch
-
-    return pad(token_rows[:rows]), pad(token_rows[rows:])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return pad_rows(token_rows[:rows], pad_id), pad_rows(token_rows[rows:], pad_id)
 
 
 def utilities(model_name: str, precision: str, scored: dict, validation: dict, last_layers: int,
@@ -141,9 +134,8 @@ def mask_agreement(a: np.ndarray, b: np.ndarray, loss_mask: np.ndarray, rho: flo
         positions = np.flatnonzero(loss_mask[row])
         positions = positions[positions > 0]
         k = int(round(rho * len(positions)))
-        top_a = set(positions[np.argsort(-a[row, positions], kind="stable")[:k]])
-        top_b = set(positions[np.argsort(-b[row, positions], kind="stable")[:k]])
-        same, total = same + len(top_a & top_b), total + k
+        both = top_b(a[row, positions], k) & top_b(b[row, positions], k)  # BRIDGE's Top-b, ties by position
+        same, total = same + int(both.sum()), total + k
     return same / max(total, 1)
 
 
