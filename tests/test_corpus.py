@@ -19,6 +19,7 @@ from raycurate.data.corpus import (
     generate_corpus,
     generate_heldout,
     generate_pretraining_texts,
+    generate_validation_questions,
     write_jsonl,
 )
 
@@ -217,6 +218,22 @@ def test_heldout_is_clean_math_disjoint_from_corpus():
     assert all(extract_final_answer(r["response"]) == r["label"]["answer"] for r in heldout)
     corpus_prompts = {r["prompt"] for r in generate_corpus(2000, seed=3)}
     assert not corpus_prompts & {r["prompt"] for r in heldout}
+
+
+def test_validation_questions_are_clean_math_disjoint_from_heldout_and_corpus():
+    heldout = generate_heldout(300, seed=3)
+    heldout_prompts = {r["prompt"] for r in heldout}
+    validation = generate_validation_questions(200, seed=3, exclude_prompts=heldout_prompts)
+    assert validation == generate_validation_questions(200, seed=3, exclude_prompts=heldout_prompts)
+    assert [r["id"] for r in validation[:2]] == ["validation-000001", "validation-000002"]
+    assert all(r["domain"] == "math" and r["label"]["clean"] for r in validation)
+    assert all(extract_final_answer(r["response"]) == r["label"]["answer"] for r in validation)
+    prompts = [r["prompt"] for r in validation]
+    assert len(set(prompts)) == 200 and not set(prompts) & heldout_prompts
+    assert not set(prompts) & {r["prompt"] for r in generate_corpus(2000, seed=3)}
+    # an excluded prompt is drawn again: excluding the first question shifts the rest by one
+    shifted = generate_validation_questions(3, seed=3, exclude_prompts={prompts[0]})
+    assert [r["prompt"] for r in shifted] == prompts[1:4]
 
 
 def test_pretraining_texts_are_clean_and_never_use_heldout_names():

@@ -42,6 +42,10 @@ class DataConfig:
         8, "Malformed/invalid lines appended to the embedded corpus so the demo exercises rejection (0 = none).", ge=0
     )
     heldout_rows: int = option(200, "Held-out clean embedded-corpus rows kept for evaluation (never trained on).", ge=0)
+    validation_questions: int = option(
+        0, "Validation questions generated beside the held-out set (embedded corpus): clean math problems from their "
+        "own random stream, none equal to a held-out prompt. eval.split=validation evaluates on them, so learning "
+        "rates, epochs and budgets are chosen without looking at held-out (0 = none).", ge=0)
 
     def config_problems(self) -> list[str]:
         """``split_ratios`` must be non-negative finite shares summing to 1."""

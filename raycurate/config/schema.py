@@ -63,6 +63,9 @@ class EvalConfig:
                           "bad rows included; greedy decoding hides a minority of bad rows.", ge=0)
     temperature: float = option(1.0, "Sampling temperature of the sampled answers.", gt=0)
     seed: int = option(0, "Seed of the sampled answers (each question's samples depend on it and the question id).")
+    split: str = option("heldout", "Question set the eval stages score: heldout (what results report) or validation "
+                        "(data.validation_questions; what sweeps choose settings on). Results go to "
+                        "results.<split> in the manifest.", choices=("heldout", "validation"))
     pool: ActorPoolConfig = option(ActorPoolConfig(num_actors=2, batch_size=50),
                                  "Evaluation workers: num_actors Ray tasks, batch_size questions per call.")
     lm_eval_tasks: list[str] = option(

@@ -149,6 +149,34 @@ def generate_heldout(n_rows: int, seed: int) -> list[dict]:
     ]
 
 
+def generate_validation_questions(n_rows: int, seed: int, exclude_prompts: set[str] | frozenset[str] = frozenset(),
+                                  ) -> list[dict]:
+    """Generate clean math problems for choosing settings, disjoint from the corpus and from ``exclude_prompts``.
+
+    Like :func:`generate_heldout` (same problem generator and name pool, never a corpus prompt) but from their own
+    random stream, so sweeps can score settings on them without touching the held-out questions that results
+    report. Pass the held-out prompts as ``exclude_prompts``; a drawn problem equal to one is drawn again.
+
+    Args:
+        n_rows: Number of problems.
+        seed: Seed; same seed (and exclusions), same problems.
+        exclude_prompts: Prompts that must not appear (the held-out set's).
+
+    Returns:
+        Rows in the corpus schema with ids ``validation-000001`` ..., all clean.
+    """
+    rng = random.Random(f"raycurate.validation:{seed}")
+    rows: list[dict] = []
+    seen = set(exclude_prompts)
+    while len(rows) < n_rows:
+        task = _clean_task("math", rng, _HELDOUT_NAMES)
+        row = _row(f"validation-{len(rows) + 1:06d}", task, "none", task.response)
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            rows.append(row)
+    return rows
+
+
 def generate_pretraining_texts(n_rows: int, seed: int) -> list[str]:
     """Clean texts of all domains (``prompt + "\\n" + response``) to pre-train the tiny base model.
 

@@ -112,6 +112,7 @@ def prepare_data(run: RunDir, cfg: Any) -> dict:
         records["corpus"] = corpus_stage(
             run, rows=cfg.data.corpus_rows, seed=cfg.data.corpus_seed, corrupt_fraction=cfg.data.corrupt_fraction,
             heldout_rows=cfg.data.heldout_rows, bad_lines=cfg.data.corpus_bad_lines,
+            validation_questions=cfg.data.validation_questions,
         )
         inputs = [str(run.root / records["corpus"]["outputs"]["corpus"])]
         upstream = ["corpus"]
@@ -179,11 +180,12 @@ def lm_eval_models(run: RunDir, cfg: Any, model_stages: dict[str, str]) -> dict:
     return results
 
 
-def record_heldout(run: RunDir, heldout: dict) -> None:
-    """Merge ``{model: metrics}`` into the manifest's ``results.heldout`` (other pipelines' models and result
-    sections such as ``lm_eval`` stay), so several pipelines run in one directory compare in one table."""
+def record_heldout(run: RunDir, heldout: dict, split: str = "heldout") -> None:
+    """Merge ``{model: metrics}`` into the manifest's ``results.<split>`` (``heldout``, or ``validation`` when
+    ``eval.split`` says so; other pipelines' models and result sections such as ``lm_eval`` stay), so several
+    pipelines run in one directory compare in one table."""
     results = run.load_manifest().get("results") or {}
-    run.update_manifest(results={**results, "heldout": {**results.get("heldout", {}), **heldout}})
+    run.update_manifest(results={**results, split: {**results.get(split, {}), **heldout}})
 
 
 def run_standalone(cfg: Any, stages: Any) -> dict:
@@ -197,8 +199,8 @@ def run_standalone(cfg: Any, stages: Any) -> dict:
     if results:
         from raycurate.report.curation import record_curation
 
-        record_heldout(run, results)
-        record_curation(run)
+        record_heldout(run, results, cfg.eval.split)
+        record_curation(run, cfg.eval.split)
     trained = [name for name, rec in run.load_manifest()["stages"].items()
                if name.startswith("train_") and rec.get("status") == "done"]
     lm_eval_models(run, cfg, {name.removeprefix("train_"): name for name in trained})

@@ -222,7 +222,7 @@ def run_curate(cfg: Any) -> dict:
     if evaluate and curate.compare:
         heldout.update(reference_models(run, cfg))
     if heldout:
-        record_heldout(run, heldout)
+        record_heldout(run, heldout, cfg.eval.split)
     scored = score_arms(run.root, run.load_manifest(), described)
     block = {"steps": list(curate.steps), "keep_fraction": curate.keep_fraction, "bds_mode": curate.bds_mode,
              "seed": curate.seed, "pool_rows": len(pool), "budget_tokens": budget, "step_info": step_info,

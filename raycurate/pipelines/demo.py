@@ -65,8 +65,8 @@ def run_demo(cfg: Any) -> dict:
         from raycurate.pipelines.bilevel import run_bilevel_stages
 
         results.update(run_bilevel_stages(run, cfg, evaluate=True))
-    record_heldout(run, results)
-    record_curation(run)
+    record_heldout(run, results, cfg.eval.split)
+    record_curation(run, cfg.eval.split)
     main = [name for name in results if name in LM_EVAL_MODELS]  # baselines are compared on the held-out eval only
     lm_eval_models(run, cfg, {name: f"train_{name}" if name != "base" else "base_model" for name in main})
     report = write_report(run)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raycurate.pipelines.common import open_run, prepare_data
+from raycurate.pipelines.common import open_run, prepare_data, record_heldout
 
 
 def run_sft_pipeline(cfg: Any) -> dict:
@@ -15,9 +15,9 @@ def run_sft_pipeline(cfg: Any) -> dict:
     records = prepare_data(run, cfg)
     train_stage(run, "train", tokens_stage="tokenize", init_stage="base_model", train_cfg=cfg.train)
     if "corpus" in records:
-        evaluate_stage(run, "eval", model_stage="train", heldout_stage="corpus", eval_cfg=cfg.eval,
-                       max_length=cfg.data.max_length,
-                       system_prompt=cfg.tokenize.system_prompt)
+        record = evaluate_stage(run, "eval", model_stage="train", heldout_stage="corpus", eval_cfg=cfg.eval,
+                                max_length=cfg.data.max_length, system_prompt=cfg.tokenize.system_prompt)
+        record_heldout(run, {"sft": record["metrics"]}, cfg.eval.split)
     write_report(run)
     return run.load_manifest()
 

@@ -354,13 +354,15 @@ def curation_comparisons(run_dir: str | Path, manifest: dict, *, replicates: int
     return out
 
 
-def record_curation(run: Any) -> dict:
-    """Compute :func:`curation_comparisons` for an open run and store it as the manifest's ``results.curation``."""
+def record_curation(run: Any, split: str = "heldout") -> dict:
+    """Compute :func:`curation_comparisons` for an open run and store it as the manifest's ``results.curation``
+    (``results.curation_validation`` when the evaluations scored the validation questions, so the report's
+    held-out verdicts never show numbers that settings were chosen on)."""
     manifest = run.load_manifest()
     comparisons = curation_comparisons(run.root, manifest)
     if comparisons:
         results = manifest.get("results") or {}
-        run.update_manifest(results={**results, "curation": comparisons})
+        run.update_manifest(results={**results, "curation" if split == "heldout" else f"curation_{split}": comparisons})
     return comparisons
 
 

@@ -19,9 +19,17 @@ TOKEN_COLUMNS = ("input_ids", "prompt_len", "loss_mask", "weight", "prompt_offse
 
 
 def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, heldout_rows: int,
-                 bad_lines: int = 0, force: bool = False) -> dict:
-    """Generate the embedded benchmark corpus (+ ``bad_lines`` invalid lines) and its held-out set as jsonl."""
-    from raycurate.data.corpus import bad_input_lines, corpus_summary, generate_corpus, generate_heldout, write_jsonl
+                 bad_lines: int = 0, validation_questions: int = 0, force: bool = False) -> dict:
+    """Generate the embedded benchmark corpus (+ ``bad_lines`` invalid lines), its held-out set and (when
+    ``validation_questions`` > 0) its validation questions as jsonl."""
+    from raycurate.data.corpus import (
+        bad_input_lines,
+        corpus_summary,
+        generate_corpus,
+        generate_heldout,
+        generate_validation_questions,
+        write_jsonl,
+    )
 
     def body(out: Path) -> StageOutput:
         corpus = generate_corpus(rows, seed=seed, corrupt_fraction=corrupt_fraction)
@@ -30,14 +38,20 @@ def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, 
         with open(out / "corpus.jsonl", "ab") as fh:  # the stage folder itself is published atomically
             fh.writelines(bad_input_lines(corpus, bad_lines, seed=seed))
         write_jsonl(heldout, out / "heldout.jsonl")
-        return StageOutput(
-            outputs={"corpus": "corpus.jsonl", "heldout": "heldout.jsonl"},
-            metrics={"corpus_rows": len(corpus), "bad_lines": bad_lines, "heldout_rows": len(heldout),
-                     "summary": corpus_summary(corpus)},
-        )
+        outputs = {"corpus": "corpus.jsonl", "heldout": "heldout.jsonl"}
+        metrics = {"corpus_rows": len(corpus), "bad_lines": bad_lines, "heldout_rows": len(heldout),
+                   "summary": corpus_summary(corpus)}
+        if validation_questions:
+            exclude = {row["prompt"] for row in heldout}
+            write_jsonl(generate_validation_questions(validation_questions, seed, exclude), out / "validation.jsonl")
+            outputs["validation"] = "validation.jsonl"
+            metrics["validation_questions"] = validation_questions
+        return StageOutput(outputs=outputs, metrics=metrics)
 
     config = {"rows": rows, "seed": seed, "corrupt_fraction": corrupt_fraction, "heldout_rows": heldout_rows,
               "bad_lines": bad_lines}
+    if validation_questions:  # only when asked, so the runs from before the option keep their hashes
+        config["validation_questions"] = validation_questions
     return run_stage(run, "corpus", body, config=config, force=force)
 
 

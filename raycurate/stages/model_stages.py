@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from raycurate.errors import UserError
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage, scratch_dir, stage_hash
 from raycurate.stages.ray_data import progress_bars_enabled, resolve_pool
@@ -272,7 +273,7 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
     import pyarrow.parquet as pq
 
     model_dir = output_path(run, model_stage, "model")
-    heldout = output_path(run, heldout_stage, "heldout")
+    heldout = question_file(run, heldout_stage, eval_cfg.split)
 
     def body(out: Path) -> StageOutput:
         rows = [json.loads(line) for line in heldout.read_text().splitlines() if line.strip()]
@@ -297,12 +298,23 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
                      upstream=[model_stage, heldout_stage], force=force)
 
 
+def question_file(run: RunDir, stage: str, split: str) -> Path:
+    """The jsonl of questions that ``eval.split`` names (``heldout`` or ``validation``) in ``stage``'s outputs."""
+    record = run.stage_record(stage) or {}
+    if split not in record.get("outputs", {}):
+        raise UserError(f"eval.split={split} but stage {stage!r} wrote no {split} questions; set "
+                        f"data.validation_questions to a positive number (e.g. 200) or use eval.split=heldout")
+    return output_path(run, stage, split)
+
+
 def heldout_eval_config(eval_cfg: Any, max_length: int, system_prompt: str = "default") -> dict:
     """What the held-out predictions depend on: every ``eval`` setting except the ``lm_eval_*`` ones, so changing
     those re-runs only the ``lm_eval_*`` stages, while a setting added later is keyed by default; and the system
     prompt when it is not ``"default"`` (so runs from before the option keep their stage hashes)."""
     settings = {f.name: getattr(eval_cfg, f.name) for f in dataclasses.fields(eval_cfg)
                 if not f.name.startswith("lm_eval_")}
+    if settings.get("split") == "heldout":  # the default is left out, so runs from before the option keep hashes
+        del settings["split"]
     config = {"eval": settings, "max_length": max_length}
     if system_prompt != "default":
         config["system_prompt"] = system_prompt
