@@ -78,6 +78,21 @@ def test_every_shipped_sweep_validates_against_its_job(path):
 
     sweep = load_sweep(path)
     assert sweep.params
+    assert not sweep.metric.startswith("results.heldout")
+
+
+def test_a_sweep_on_the_reported_heldout_results_is_refused(tmp_path):
+    from raycurate.config.loader import ConfigError
+    from raycurate.config.sweep import load_sweep
+
+    path = tmp_path / "tune" / "peek.yaml"
+    path.parent.mkdir()
+    path.write_text(f"job: {ROOT / 'jobs/demo.yaml'}\nmetric: results.heldout.mixed.exact_match\nmode: max\n"
+                    "params:\n  train.lr: {grid: [1.0e-4, 2.0e-4]}\n")
+    with pytest.raises(ConfigError, match="eval.split=validation"):
+        load_sweep(path)
+    path.write_text(path.read_text().replace("results.heldout.", "results.validation."))
+    assert load_sweep(path).metric == "results.validation.mixed.exact_match"
 
 
 def test_sweep_errors_name_the_bad_key(tmp_path):

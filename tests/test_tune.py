@@ -38,10 +38,11 @@ def test_two_trial_sweep_scores_once_and_writes_table_and_best_config(tmp_path, 
         "eval.max_new_tokens=4", "train.micro_batch_size=2", "train.effective_batch_size=4",
         "train.num_workers=1", "train.launcher=task",
         "p2d.proxy_examples=8", "p2d.proxy_steps=2", "p2d.epochs=1", "p2d.rounds=1", "p2d.baselines=[]",
+        "data.validation_questions=4", "eval.split=validation",
     ]
     sweep.write_text(yaml.safe_dump({
         "name": "ratio", "job": str(ROOT / "jobs/p2d_demo.yaml"), "overrides": overrides,
-        "metric": "results.heldout.p2d.gold_loss", "mode": "min", "search": "grid",
+        "metric": "results.validation.p2d.gold_loss", "mode": "min", "search": "grid",
         "params": {"p2d.data_ratio": {"grid": [0.1, 0.3]}},
     }))
     assert main(["tune", str(sweep)]) == 0

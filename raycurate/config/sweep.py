@@ -4,8 +4,8 @@ Example::
 
     name: bridge_budgets
     job: jobs/bridge_demo.yaml            # relative to the sweep file's folder's parent, or absolute
-    overrides: [data.corpus_rows=600]     # applied to the job before the trial parameters
-    metric: results.heldout.bridge.gold_loss
+    overrides: [data.corpus_rows=600, data.validation_questions=200, eval.split=validation]
+    metric: results.validation.bridge.gold_loss
     mode: min
     search: grid                          # grid | random
     params:
@@ -14,7 +14,9 @@ Example::
     scheduler: {type: asha, rungs: 3, rung_steps: 20, reduction_factor: 2}
 
 Every key under ``params`` must be a valid job config key (checked against the job before anything runs), so a typo
-fails in a second, not after the first trial.  ``metric`` is a dotted path into the run manifest.
+fails in a second, not after the first trial.  ``metric`` is a dotted path into the run manifest; it may not read
+the held-out results (``results.heldout`` / ``results.curation``), which are what a run reports: sweeps score the
+validation questions (``eval.split=validation``, ``results.validation``) instead.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class SweepConfig:
     name: str = option("sweep", "Sweep name; trials share the run directory <runs_dir>/<name>.")
     job: str = option("", "Job YAML the trials start from.")
     overrides: list[str] = option([], "key=value overrides applied to the job before the trial parameters.")
-    metric: str = option("results.heldout.bridge.gold_loss", "Dotted path of the metric in the run manifest.")
+    metric: str = option("results.validation.bridge.gold_loss", "Dotted path of the metric in the run manifest "
+                         "(never results.heldout: sweeps choose on the validation questions).")
     mode: str = option("min", "Minimise or maximise the metric.", choices=("min", "max"))
     search: str = option("grid", "Grid search over the grid values, or random sampling.", choices=("grid", "random"))
     num_samples: int = option(1, "Random search: trials; grid search: repeats of the whole grid.")
@@ -105,9 +108,23 @@ def sweep_problems(sweep: SweepConfig, sweep_file: Path | None = None) -> list[s
                       source=f"{job} + params.{key}")
         except ConfigError as err:
             problems.append(f"params.{key}: {err}")
+    problems += reported_metric_problems(sweep.metric)
     if sweep.scheduler.type == "asha" and sweep.scheduler.rungs < 2:
         problems.append("scheduler.rungs must be >= 2 for ASHA to stop anything")
     return problems
+
+
+#: Manifest sections that hold what a run reports; a sweep that chose settings on them would report a tuned number.
+REPORTED_RESULTS = ("results.heldout", "results.curation", "results.lm_eval")
+
+
+def reported_metric_problems(metric: str) -> list[str]:
+    """A problem when ``metric`` reads the held-out results that runs report (settings are chosen on validation)."""
+    if ".".join(metric.split(".")[:2]) not in REPORTED_RESULTS:
+        return []
+    return [f"metric {metric!r} reads held-out results, which are what the run reports; choose settings on the "
+            "validation questions instead: add data.validation_questions=200 and eval.split=validation to overrides "
+            "and use results.validation.<model>.<metric>"]
 
 
 def yaml_value(value: Any) -> str:
