@@ -76,11 +76,17 @@ def train_stage(run: RunDir, stage: str, *, tokens_stage: str, init_stage: str, 
     """
     from raycurate.stages.train import run_sft
 
+    from raycurate.models.adapters import adapter_kind
+
     if adapter is None:
         adapter = train_cfg.adapter_spec()  # the hash below keeps train_cfg as is: it holds the adapter fields
         config: Any = train_cfg
     else:
         config = {"train": train_cfg, "adapter": adapter}
+    if adapter_kind(adapter) != "full":
+        # Adapter runs export the merged model in fp32 since this key: the bf16 merges cached before it rounded most
+        # of the adapter's update away (raycurate.training.export.save_merged), so they re-run.
+        config = {"stage": config, "export": "merged-fp32"}
     tokens = output_path(run, tokens_stage, "tokens")
     init_model = output_path(run, init_stage, "model")
     upstream = [tokens_stage, init_stage, *extra_upstream]
