@@ -69,8 +69,11 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 def train(model, batches: list[list[tuple[list[int], list[int]]]], lr: float, warmup_ratio: float,
-          pad_id: int) -> float:
-    """Plain AdamW loop over ``batches``; returns the mean loss of the last 10 steps."""
+          pad_id: int, loss_kind: str = "token") -> float:
+    """Plain AdamW loop over ``batches``; returns the mean loss of the last 10 steps.
+
+    ``loss_kind``: ``token`` averages over every supervised token of the batch; ``example`` averages each
+    example's tokens first, then the examples."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     warmup = int(round(warmup_ratio * len(batches)))
@@ -85,8 +88,13 @@ def train(model, batches: list[list[tuple[list[int], list[int]]]], lr: float, wa
         labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
         mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i, _ in batch])
         logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                 labels[:, 1:].reshape(-1), ignore_index=-100)
+        per_token = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:],
+                                                      ignore_index=-100, reduction="none")  # (B, T-1)
+        supervised = (labels[:, 1:] != -100).float()
+        if loss_kind == "token":
+            loss = per_token.sum() / supervised.sum()
+        else:
+            loss = ((per_token * supervised).sum(1) / supervised.sum(1).clamp(min=1)).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -155,7 +163,7 @@ def train_lora(args: argparse.Namespace, model_dir: str, batches: list, pad_id: 
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
-    train_loss = train(model, batches, args.lr, 0.05, pad_id)
+    train_loss = train(model, batches, args.lr, 0.05, pad_id, args.loss)
 
     return model, train_loss
 
@@ -175,6 +183,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="frozen base dtype")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--loss", choices=["token", "example"], default="token",
+                        help="token: mean over the batch's supervised tokens; example: per-example mean, then mean")
     parser.add_argument("--eval-model", type=Path, default=None,
                         help="skip training: evaluate this HF model folder (e.g. the engine's train_mixed/model)")
     parser.add_argument("--eval-adapter", type=Path, default=None,

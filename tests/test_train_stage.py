@@ -379,8 +379,8 @@ def test_lora_checkpoint_holds_the_adapter_only_and_resumes_like_an_uninterrupte
 
 
 def test_lora_export_of_a_bf16_base_is_fp32_and_keeps_the_whole_update(tiny_model, token_table, tmp_path):
-    """A merged export in the bf16 base's dtype would round small adapter updates away (SmolLM2: 23-78% of each
-    layer's update lost); the export is fp32 and equals base + scale * B @ A exactly."""
+    """A merged export in the bf16 base's dtype would round small adapter updates away (SmolLM2, one epoch: 23-78%
+    of each layer's update lost); the export is fp32 and equals base + scale * B @ A exactly."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

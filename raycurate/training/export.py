@@ -40,10 +40,11 @@ def save_merged(job: Any, state_dict: dict[str, Any], dest: str) -> None:
     """Rebuild the adapted model on CPU from ``init_model``, load the trained state (the frozen base weights may be
     missing from it: they are ``init_model``'s), save adapter + merged model in float32.
 
-    Float32 whatever the base's dtype: an adapter's update is small next to the weights it is added to, and a
-    bf16 weight keeps 8 significant bits. Merged into SmolLM2-135M's bf16 weights, one epoch of LoRA (lr 2e-4)
-    lost 23-78% of each layer's update (relative norm), and the bf16 merged model answered 0.39 of 100 held-out
-    questions where the same adapter unmerged answered more (benchmarks/RESULTS.md, #25 "merge precision")."""
+    Float32 whatever the base's dtype, so the export equals the trained model: an adapter's update is small next
+    to the weights it is added to, and a bf16 weight keeps 8 significant bits. Merged into SmolLM2-135M's bf16
+    weights, one epoch of LoRA (lr 2e-4) lost 23-78% of each layer's update (relative norm). At that training
+    length greedy answers barely moved (0.40 merged in bf16 vs 0.39 unmerged on 100 held-out questions,
+    benchmarks/RESULTS.md, #25), but nothing bounds the loss for longer or smaller-lr runs."""
     import torch
 
     from raycurate.models.adapters import apply_adapter, export_model, save_adapter
