@@ -1,5 +1,4 @@
-"""BDS (bilevel data selection) on Ray Train, offline and with online BMO responses: theta and the data logits omega
-learned together.
+"""BDS (bilevel data selection) on Ray Train, offline or online (BMO): theta and the data logits omega learned together.
 
 Run it::
 
@@ -91,7 +90,8 @@ from raycurate.training.collectives import all_gather_pairs, all_reduce_sum, gat
 from raycurate.training.deepspeed_config import grad_accum_steps
 from raycurate.training.export import METRICS_FILE, export_hf, run_metrics
 from raycurate.training.order import epoch_order, should_checkpoint
-from raycurate.training.session import TrainSession, build_resumed_engine, prepare_worker
+from raycurate.training.protocol import TrainSession
+from raycurate.training.session import build_resumed_engine, prepare_worker
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ is :mod:`raycurate.training` (no Ray).  The worker loop is a chain of small, rep
 ``micro_batch_rows`` (:mod:`~raycurate.training.order`) + ``collate`` (:mod:`~raycurate.training.batches`) ->
 ``engine.train_micro_batch(batch, loss_fn, is_boundary)`` -> ``save_checkpoint``
 (:mod:`~raycurate.training.checkpoint`) -> ``export_hf`` (:mod:`~raycurate.training.export`).  :func:`train_loop`
-runs against the small :class:`~raycurate.training.session.TrainSession` interface; :class:`RaySession` implements it
+runs against the small :class:`~raycurate.training.protocol.TrainSession` interface; :class:`RaySession` implements it
 on Ray Train (it stays here: it is the only piece that needs ``ray.train``), and a test double runs the same loop
 in-process without Ray.  :func:`launch_trainer` hands a worker entry (:func:`sft_entry`, or BDS's) its session:
 ``train.launcher=ray_train`` starts a TorchTrainer worker group with a :class:`RaySession` on each worker;
@@ -60,10 +60,10 @@ from raycurate.training.collectives import all_reduce_sum
 from raycurate.training.deepspeed_config import check_offload, grad_accum_steps
 from raycurate.training.export import METRICS_FILE, export_hf, run_metrics
 from raycurate.training.order import epoch_order, micro_batch_rows, should_checkpoint, steps_per_epoch, total_steps
+from raycurate.training.protocol import TrainSession
 from raycurate.training.session import (
     FAULT_ENV,
     TaskSession,
-    TrainSession,
     build_resumed_engine,
     maybe_inject_fault,
     prepare_worker,
