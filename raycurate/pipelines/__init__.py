@@ -44,7 +44,7 @@ def _curate(cfg: Any) -> dict:
 def _proving_ground(cfg: Any) -> dict:
     from raycurate.pipelines.proving_ground import run_proving_ground
 
-    return run_proving_ground(cfg)
+    return run_proving_ground(cfg, run_pipeline)  # each seed's job goes through this registry
 
 
 PIPELINES: dict[str, Callable[[Any], dict]] = {

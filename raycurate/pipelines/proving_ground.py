@@ -17,7 +17,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("raycurate")
 
@@ -161,10 +161,15 @@ def existing_manifest(run_dir: Path) -> dict:
     return parse_manifest(path.read_text(), str(path))
 
 
-def run_proving_ground(cfg: Any) -> dict:
+def run_proving_ground(cfg: Any, run_pipeline: Callable[[Any], dict]) -> dict:
     """Run ``proving_ground.pipeline`` for every seed of ``proving_ground.seeds`` and write the pooled summary
-    (every evaluated model's per-question scores feed the comparisons); returns it."""
-    from raycurate.pipelines import run_pipeline
+    (every evaluated model's per-question scores feed the comparisons); returns it.
+
+    Args:
+        cfg: The proving-ground job.
+        run_pipeline: Runs one seed's job and returns its manifest: :func:`raycurate.pipelines.run_pipeline`, passed
+            in by the registry (which imports this module, so this module does not import it back).
+    """
     from raycurate.pipelines.common import check_split_sizes
     from raycurate.report.curation import aligned_scores, evaluated_models, scores_by_metric
     from raycurate.rundir import atomic_write_text
