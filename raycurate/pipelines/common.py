@@ -1,4 +1,5 @@
-"""Pieces every pipeline starts with: the run directory, the saved config, Ray, and the training data."""
+"""Pieces every pipeline starts with (the run directory, the saved config, Ray, the training data) and ends with
+(held-out results, lm-eval, the report)."""
 
 from __future__ import annotations
 
@@ -191,8 +192,6 @@ def record_heldout(run: RunDir, heldout: dict, split: str = "heldout") -> None:
 def run_standalone(cfg: Any, stages: Any) -> dict:
     """A method pipeline on its own: data preparation, ``stages(run, cfg, evaluate=...)``, held-out results,
     lm-eval on the trained models and the report; returns the final manifest."""
-    from raycurate.pipelines.sft import write_report
-
     run = open_run(cfg)
     records = prepare_data(run, cfg)
     results = stages(run, cfg, evaluate="corpus" in records)
@@ -206,3 +205,13 @@ def run_standalone(cfg: Any, stages: Any) -> dict:
     lm_eval_models(run, cfg, {name.removeprefix("train_"): name for name in trained})
     write_report(run)
     return run.load_manifest()
+
+
+def write_report(run: RunDir) -> str:
+    """Render ``report.html`` for the run, upload the run root's files to remote storage (if any) and return the
+    report's path.  Every pipeline ends here."""
+    from raycurate.report.html import write_run_report
+
+    path = str(write_run_report(run.root))
+    run.sync()
+    return path

@@ -174,8 +174,7 @@ def run_curate(cfg: Any) -> dict:
     from raycurate.algorithms.composition import compose
     from raycurate.config.curate import POOL_SPLIT
     from raycurate.pipelines.bridge import run_bridge_core, split_equals
-    from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout
-    from raycurate.pipelines.sft import write_report
+    from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout, write_report
     from raycurate.report.composition import COMPOSITION, score_arms
     from raycurate.stages.curate import subset_rows_stage
     from raycurate.stages.data_stages import filter_tokens_stage

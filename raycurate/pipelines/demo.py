@@ -10,8 +10,7 @@ import logging
 from typing import Any
 
 from raycurate.config.schema import DEMO_METHODS
-from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout
-from raycurate.pipelines.sft import write_report
+from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout, write_report
 from raycurate.report.curation import record_curation
 
 log = logging.getLogger("raycurate")

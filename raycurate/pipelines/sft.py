@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raycurate.pipelines.common import open_run, prepare_data, record_heldout
+from raycurate.pipelines.common import open_run, prepare_data, record_heldout, write_report
 
 
 def run_sft_pipeline(cfg: Any) -> dict:
@@ -21,12 +21,3 @@ def run_sft_pipeline(cfg: Any) -> dict:
     write_report(run)
     return run.load_manifest()
 
-
-def write_report(run: Any) -> str:
-    """Render ``report.html`` for the run, upload the run root's files to remote storage (if any) and return the
-    report's path.  Every pipeline ends here."""
-    from raycurate.report.html import write_run_report
-
-    path = str(write_run_report(run.root))
-    run.sync()
-    return path
