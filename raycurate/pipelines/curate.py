@@ -32,14 +32,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raycurate.algorithms.composition import Step
+    from raycurate.config.schema import JobConfig
+    from raycurate.rundir import RunDir
 
 log = logging.getLogger("raycurate")
 
 COMPOSITION_MODEL = "curate"
 
 
-def score_step(run: Any, cfg: Any, name: str) -> tuple[Any, dict]:
+def score_step(run: RunDir, cfg: JobConfig, name: str) -> tuple[Step, dict]:
     """Run one example-level step's stages over the whole pool.
 
     Returns:
@@ -79,7 +84,7 @@ def score_step(run: Any, cfg: Any, name: str) -> tuple[Any, dict]:
     raise ValueError(f"curate step {name!r} is not an example-level step (dedup, bds, p2d)")
 
 
-def arm_weights(cfg: Any, steps: dict[str, Any], ids: list[str], *, uses_bds: bool) -> dict[str, float] | None:
+def arm_weights(cfg: JobConfig, steps: dict[str, Step], ids: list[str], *, uses_bds: bool) -> dict[str, float] | None:
     """The SFT weights of a set of rows: their BDS weights (mean 1) in ``bds_mode: weight``, else None."""
     from raycurate.algorithms.composition import normalised_weights
 
@@ -88,7 +93,7 @@ def arm_weights(cfg: Any, steps: dict[str, Any], ids: list[str], *, uses_bds: bo
     return normalised_weights(steps["bds"].scores, ids)
 
 
-def matched_arms(run: Any, cfg: Any, pool: list[str], steps: dict[str, Any],
+def matched_arms(run: RunDir, cfg: JobConfig, pool: list[str], steps: dict[str, Step],
                  budget: int) -> dict[str, tuple[str, dict]]:
     """Each step alone over the whole pool, and seeded random rows, cut to ``budget`` response tokens.
 
@@ -122,7 +127,7 @@ def matched_arms(run: Any, cfg: Any, pool: list[str], steps: dict[str, Any],
     return arms
 
 
-def matched_bridge(run: Any, cfg: Any, pool: list[str], budget: int) -> tuple[str, dict]:
+def matched_bridge(run: RunDir, cfg: JobConfig, pool: list[str], budget: int) -> tuple[str, dict]:
     """BRIDGE alone over the whole pool, re-selected from the stored scores at the response ratio that supervises
     about ``budget`` tokens (``rho_p`` unchanged); returns (training-table stage, its metrics + ``rho_r``)."""
     from raycurate.algorithms.composition import matched_response_ratio
@@ -143,7 +148,7 @@ def matched_bridge(run: Any, cfg: Any, pool: list[str], budget: int) -> tuple[st
     return "curate_bridge_rows", {**record["metrics"], "rho_r": rho_r}
 
 
-def reference_models(run: Any, cfg: Any) -> dict[str, dict]:
+def reference_models(run: RunDir, cfg: JobConfig) -> dict[str, dict]:
     """Evaluate the base model and train + evaluate ``mixed`` (the whole pool) and ``clean`` (its clean rows).
 
     Returns:
@@ -168,7 +173,7 @@ def reference_models(run: Any, cfg: Any) -> dict[str, dict]:
     return heldout
 
 
-def run_curate(cfg: Any) -> dict:
+def run_curate(cfg: JobConfig) -> dict:
     """``pipeline: curate``: the steps, one SFT on the composed table, the matched-budget arms; returns the
     final manifest (``results.composition``)."""
     from raycurate.algorithms.composition import compose

@@ -17,12 +17,15 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from raycurate.config.schema import JobConfig
 
 log = logging.getLogger("raycurate")
 
 
-def seed_config(cfg: Any, seed: int) -> Any:
+def seed_config(cfg: JobConfig, seed: int) -> JobConfig:
     """The ``proving_ground.pipeline`` job of one corpus seed, in ``<runs_dir>/<name>/seed-<seed>``."""
     runs_dir = f"{str(cfg.run.runs_dir).rstrip('/')}/{cfg.run.name}"
     return dataclasses.replace(cfg, pipeline=cfg.proving_ground.pipeline,
@@ -161,7 +164,7 @@ def existing_manifest(run_dir: Path) -> dict:
     return parse_manifest(path.read_text(), str(path))
 
 
-def run_proving_ground(cfg: Any, run_pipeline: Callable[[Any], dict]) -> dict:
+def run_proving_ground(cfg: JobConfig, run_pipeline: Callable[[JobConfig], dict]) -> dict:
     """Run ``proving_ground.pipeline`` for every seed of ``proving_ground.seeds`` and write the pooled summary
     (every evaluated model's per-question scores feed the comparisons); returns it.
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from raycurate.config.schema import JobConfig
 from raycurate.pipelines.common import open_run, prepare_data, record_heldout, write_report
 
 
-def run_sft_pipeline(cfg: Any) -> dict:
+def run_sft_pipeline(cfg: JobConfig) -> dict:
     """Run the ``sft`` pipeline; returns the final manifest."""
     from raycurate.stages.model_stages import evaluate_stage, train_stage
 

@@ -6,6 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from raycurate.config.bridge import BridgeConfig
+from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
 
@@ -74,7 +76,7 @@ def compact_stage(run: RunDir, stage: str, *, selection_stage: str, mask_prefix:
 BASELINES = ("random", "rho1", "token_cleaning", "independent", "sequential")
 
 
-def random_baseline_columns(rows: list[dict], bridge_cfg: Any) -> dict[str, list]:
+def random_baseline_columns(rows: list[dict], bridge_cfg: BridgeConfig) -> dict[str, list]:
     """Random masks with BRIDGE's budgets (matched ratios), seeded per (seed, example id)."""
     from raycurate.algorithms.bridge import fixed_masks
     from raycurate.algorithms.token_baselines import example_rng, random_masks
@@ -247,7 +249,8 @@ def _compacted_rescorer(models: dict[str, Any], row: dict, pad_id: int) -> Any:
 
 
 def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stage: str, warmup_stage: str,
-                         base_stage: str, bridge_cfg: Any, pool_cfg: Any = None, force: bool = False) -> dict:
+                         base_stage: str, bridge_cfg: BridgeConfig, pool_cfg: ActorPoolConfig | None = None,
+                         force: bool = False) -> dict:
     """Masks of a token-selection baseline for the same rows as BRIDGE; writes ``masks/*.parquet``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -295,7 +298,7 @@ def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stag
                      force=force)
 
 
-def _write_token_cleaning_global(ds: Any, out: Path, bridge_cfg: Any) -> None:
+def _write_token_cleaning_global(ds: Any, out: Path, bridge_cfg: BridgeConfig) -> None:
     """Scores from the actor pool -> ``out/scores``; one corpus-wide Top-B in the driver -> ``out/masks``."""
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
+from raycurate.config.data import DataConfig
 from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage
@@ -55,7 +56,7 @@ def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, 
     return run_stage(run, "corpus", body, config=config, force=force)
 
 
-def ingest_stage(run: RunDir, inputs: list[str], data_cfg: Any, *, upstream: list[str], progress: bool,
+def ingest_stage(run: RunDir, inputs: list[str], data_cfg: DataConfig, *, upstream: list[str], progress: bool,
                  force: bool = False) -> dict:
     """Validate input files into accepted parquet shards plus ``rejected.jsonl``; record row accounting."""
     from raycurate.data.ingest import ingest
