@@ -35,6 +35,8 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from raycurate.algorithms.composition import Step
     from raycurate.config.schema import JobConfig
     from raycurate.rundir import RunDir
@@ -90,7 +92,9 @@ def arm_weights(cfg: JobConfig, steps: dict[str, Step], ids: list[str], *, uses_
 
     if cfg.curate.bds_mode != "weight" or not uses_bds:
         return None
-    return normalised_weights(steps["bds"].scores, ids)
+    scores = steps["bds"].scores
+    assert scores is not None, "the bds step ranks (it has scores)"
+    return normalised_weights(scores, ids)
 
 
 def matched_arms(run: RunDir, cfg: JobConfig, pool: list[str], steps: dict[str, Step],
@@ -105,13 +109,13 @@ def matched_arms(run: RunDir, cfg: JobConfig, pool: list[str], steps: dict[str, 
 
     curate = cfg.curate
     tokens = response_tokens(run, "curate_pool_rows")
-    rankings: dict[str, dict[str, float]] = {}
+    rankings: dict[str, Mapping[str, float]] = {}
     for name in curate.steps if len(curate.steps) > 1 else []:
         if name == "bridge":
             continue
         step = steps[name]
         rankings[name] = step.scores if step.scores is not None else {
-            i: 0.0 if i in step.dropped else 1.0 for i in pool}  # dedup: undropped rows first, then random
+            i: 0.0 if i in (step.dropped or ()) else 1.0 for i in pool}  # dedup: undropped rows first, then random
     rankings["random"] = {i: 0.0 for i in pool}  # constant score: the seeded tie-break is the order
     arms: dict[str, tuple[str, dict]] = {}
     for name, scores in rankings.items():

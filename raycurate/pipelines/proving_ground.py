@@ -183,7 +183,9 @@ def run_proving_ground(cfg: JobConfig, run_pipeline: Callable[[JobConfig], dict]
     pool_only = cfg.proving_ground.pool_only
     if not pool_only:
         check_split_sizes(cfg)  # every seed's splits, before the first seed starts Ray
-    per_seed, by_metric, budgets = {}, {}, {}
+    per_seed: dict[int, tuple[str, dict[str, Any]]] = {}
+    by_metric: dict[str, dict[int, tuple[str, dict[str, Any]]]] = {}
+    budgets: dict[str, dict] = {}
     for seed in cfg.proving_ground.seeds:
         child = seed_config(cfg, seed)
         run_dir = Path(child.run.runs_dir) / child.run.name

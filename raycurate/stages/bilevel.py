@@ -173,6 +173,7 @@ def bds_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage
     base = output_path(run, base_stage, "model")
     settings = bds_settings(bilevel, train_cfg, online)
     upstream = [candidate_stage, validation_stage, base_stage]
+    online_cfg: dict[str, Any] | None
     online_cfg = {k: getattr(bilevel, k) for k in ("online_ratio", "online_mask", "online_samples", "temperature",
                                                    "max_new_tokens", "generation_backend", "generation_actors")}
     if not online:

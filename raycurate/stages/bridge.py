@@ -253,8 +253,8 @@ def score_config(bridge_cfg: BridgeConfig) -> dict:
     carries the scoring layers L and lambda): the routing layer, the prompt proxy and the storage dtype.  The
     budgets only enter for ``prompt_proxy = knockout_grad``, whose prompt scores are conditioned on the routing
     selection."""
-    config = {"routing_layer": bridge_cfg.routing_layer, "prompt_proxy": bridge_cfg.prompt_proxy,
-              "score_dtype": bridge_cfg.score_dtype}
+    config: dict[str, Any] = {"routing_layer": bridge_cfg.routing_layer, "prompt_proxy": bridge_cfg.prompt_proxy,
+                              "score_dtype": bridge_cfg.score_dtype}
     if bridge_cfg.prompt_proxy == "knockout_grad":
         config["knockout_conditioned_on"] = {k: getattr(bridge_cfg, k) for k in KNOCKOUT_SCORE_FIELDS}
     return config

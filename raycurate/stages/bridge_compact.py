@@ -212,11 +212,13 @@ def loss_baseline_columns(method: str, base: Any, reference: Any, rows: list[dic
     for i, r in enumerate(rows):
         n, p = len(r["input_ids"]), int(r["prompt_len"])
         fixed_p, fixed_r = fixed_masks(p, n, r["prompt_offsets"], r["response_offsets"])
-        layout = {"has_bos": bool(fixed_p[0]), "fixed_prompt_mask": fixed_p, "fixed_response_mask": fixed_r}
+        layout: dict[str, Any] = {"has_bos": bool(fixed_p[0]), "fixed_prompt_mask": fixed_p,
+                                  "fixed_response_mask": fixed_r}
         if method in ("rho1", "token_cleaning"):
             scores = tb.response_scores(method, losses["base"][i, :n].numpy(), losses["reference"][i, :n].numpy())
             masks = tb.token_cleaning_masks(scores, p, rho_r, budget="matched", rho_p=rho_p, **layout)
         else:
+            assert surprisal is not None  # computed above for the composed methods
             prompt_scores = tb.surprisal_prompt_scores(surprisal[i, :n].numpy(), p)
             if method == "independent":
                 scores = tb.response_scores("token_cleaning", losses["base"][i, :n].numpy(),

@@ -50,7 +50,7 @@ def base_model_stage(run: RunDir, model_cfg: ModelConfig, *, pretrain_texts: Any
             check_model_source(name)
             model_dir = resolve_model_path(name)  # a fetched registry model (smollm2-135m) -> its cache folder
         os.symlink(Path(model_dir).resolve(), out / "model", target_is_directory=True)
-        info = {"model_dir": str(Path(model_dir).resolve()), "source": name}
+        info: dict[str, Any] = {"model_dir": str(Path(model_dir).resolve()), "source": name}
         meta = Path(model_dir) / "pretrain_metadata.json"
         if meta.exists():
             info["pretrain"] = json.loads(meta.read_text())
@@ -118,7 +118,7 @@ class EvaluateUDF:
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
-        self.sampling = {"samples": samples, "temperature": temperature, "seed": seed}
+        self.sampling: dict[str, Any] = {"samples": samples, "temperature": temperature, "seed": seed}
         self.system_prompt = system_prompt
         self.stage = stage
 

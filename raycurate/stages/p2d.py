@@ -11,7 +11,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raycurate.config.p2d import P2DConfig
 from raycurate.config.pool import ActorPoolConfig
@@ -21,6 +21,9 @@ from raycurate.stages.base import StageOutput, output_path, require_columns, run
 from raycurate.stages.bridge import read_token_rows
 from raycurate.stages.ray_data import dataset_from_rows, map_with_actor_pool, resolve_pool
 from raycurate.stages.runtime import run_as_task
+
+if TYPE_CHECKING:
+    from raycurate.algorithms.head_scoring import Method
 
 log = logging.getLogger("raycurate")
 
@@ -79,7 +82,7 @@ def full_batch_train_config(train_cfg: TrainConfig, rows: int, steps: int, lr: f
 # --------------------------------------------------------------------------------------------- head scoring
 
 
-def score_heads_task(base_dir: str, proxy_dir: str, out_path: str, *, ratio: float, tau: float, method: str,
+def score_heads_task(base_dir: str, proxy_dir: str, out_path: str, *, ratio: float, tau: float, method: Method,
                      include_o: bool) -> dict:
     """Head sensitivity between the base and proxy weights, layer by layer; writes ``heads.json``.
 
@@ -150,7 +153,12 @@ def heads_stage(run: RunDir, stage: str, *, base_stage: str, proxy_stage: str | 
                 p2d_cfg: P2DConfig, force: bool = False) -> dict:
     """Score every query head between the base model and the proxy (or a user task model); writes heads.json."""
     base_dir = output_path(run, base_stage, "model")
-    proxy_dir = Path(task_model) if task_model else output_path(run, proxy_stage, "model")
+    if task_model:
+        proxy_dir = Path(task_model)
+    elif proxy_stage is not None:
+        proxy_dir = output_path(run, proxy_stage, "model")
+    else:
+        raise ValueError("heads_stage needs a proxy_stage (the proxy fine-tune) or a task_model to compare with")
     if task_model and not proxy_dir.is_dir():
         raise FileNotFoundError(f"p2d.task_model={task_model} is not a directory; pass a local HF checkpoint")
 

@@ -170,7 +170,8 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
                     "parameters", len(table), per_epoch, start_step, run_steps, accum, session.world_size, cfg.engine,
                     trainable)
 
-    schedule, schedule_epoch = None, -1
+    schedule: Any = None  # (per_epoch, accum, world) row indices of the current epoch
+    schedule_epoch = -1
     for step in range(start_step, run_steps):
         epoch, step_in_epoch = divmod(step, per_epoch)
         if epoch != schedule_epoch:
@@ -184,12 +185,12 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
             supervised += int((batch["loss_mask"][:, 1:] != 0).sum())
             loss = engine.train_micro_batch(to_device(batch, device), loss_fn, is_boundary=k == accum - 1)
             loss_sum += float(loss)
-        loss_total, tokens, supervised = all_reduce_sum([loss_sum, tokens, supervised], device)
+        loss_total, tokens_total, supervised_total = all_reduce_sum([loss_sum, tokens, supervised], device)
         state.step = step + 1
         state.loss_per_step.append(loss_total / (accum * session.world_size))
         state.lr_per_step.append(step_lr)
-        state.tokens += int(tokens)
-        state.supervised_tokens += int(supervised)
+        state.tokens += int(tokens_total)
+        state.supervised_tokens += int(supervised_total)
         state.examples += cfg.effective_batch_size
         state.seconds += time.perf_counter() - step_started
         if session.rank == 0 and (state.step % cfg.log_every_steps == 0 or state.step == run_steps):

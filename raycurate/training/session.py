@@ -60,11 +60,11 @@ def build_resumed_engine(job: Any, run_steps: int, session: TrainSession,
     """
     saved = read_trainer_state(ckpt_dir)
     universal = needs_universal_resume(saved, job.cfg, session.world_size)
-    if universal and session.rank == 0:
+    if universal and saved is not None and session.rank == 0:
         logger.info("resuming a checkpoint written by %d workers on %d workers (ZeRO-%d universal checkpoint)",
                     saved.world_size, session.world_size, job.cfg.zero_stage)
     engine, trainable, pad_id = build_model_engine(job, run_steps, session.device, load_universal=universal)
-    if ckpt_dir is None:
+    if ckpt_dir is None or saved is None:  # read_trainer_state: None exactly for a fresh run
         return engine, trainable, pad_id, TrainState()
     engine.load(ckpt_dir, session)
     return engine, trainable, pad_id, saved
