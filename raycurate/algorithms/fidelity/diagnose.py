@@ -135,7 +135,7 @@ def example_fidelity(
     r_idx = response_positions(response_idx, prompt_len, n)
     if (a_p is None) != (c is None):
         raise ValueError("pass both a_p and c (from routing.routing_weights) or neither")
-    if a_p is None:
+    if a_p is None or c is None:  # both None (checked above)
         a_p, c = _routing(model, input_ids, prompt_len, layer)
     a_p, c = _numpy(a_p), _numpy(c)
     a_full, beta_exact = exact_interactions(model, input_ids, prompt_len, p_idx, direction, chunk)

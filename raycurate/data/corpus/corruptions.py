@@ -7,10 +7,11 @@ from __future__ import annotations
 import math
 import random
 
-from raycurate.data.corpus.code_tasks import wrong_code_return
+from raycurate.data.corpus.code_tasks import CodeTask, wrong_code_return
 from raycurate.data.corpus.domains import DOMAINS, clean_task
 from raycurate.data.corpus.math_tasks import (
     CORPUS_NAMES,
+    MathProblem,
     swapped_entity_response,
     wrong_math_answer,
     wrong_math_step,
@@ -63,11 +64,11 @@ def corrupt_response(task: Task, kind: str, rng: random.Random) -> str:
     if kind == "none":
         return task.response
     if kind == "wrong_final_answer":
-        return wrong_math_answer(task.math, rng) if task.domain == "math" else wrong_code_return(task.code)
+        return wrong_math_answer(_math(task), rng) if task.domain == "math" else wrong_code_return(_code(task))
     if kind == "wrong_intermediate_step":
-        return wrong_math_step(task.math, rng)
+        return wrong_math_step(_math(task), rng)
     if kind == "swapped_entity":
-        return swapped_entity_response(task.math)
+        return swapped_entity_response(_math(task))
     if kind == "off_topic":
         return _off_topic_response(task, rng)
     if kind == "truncated":
@@ -75,6 +76,18 @@ def corrupt_response(task: Task, kind: str, rng: random.Random) -> str:
     if kind == "unsafe":
         return _insert_unsafe(task, rng)
     raise ValueError(f"Unknown corruption {kind!r}; use one of {list(CORRUPTION_KINDS)}.")
+
+
+def _math(task: Task) -> MathProblem:
+    if task.math is None:
+        raise ValueError(f"a {task.domain} task has no math problem to corrupt; math corruptions apply to math rows")
+    return task.math
+
+
+def _code(task: Task) -> CodeTask:
+    if task.code is None:
+        raise ValueError(f"a {task.domain} task has no function to corrupt; code corruptions apply to code rows")
+    return task.code
 
 
 def _off_topic_response(task: Task, rng: random.Random) -> str:

@@ -88,6 +88,14 @@ def _evaluate(steps: list[_Step], wrong: tuple[int, int] | None = None) -> list[
     return triples
 
 
+def _valid_triples(steps: list[_Step]) -> list[tuple[int, int, int]]:
+    """:func:`_evaluate` of steps already known to be valid (every caller's problem passed the validity checks)."""
+    triples = _evaluate(steps)
+    if triples is None:
+        raise AssertionError("unreachable: these steps were checked to evaluate to results in [1, MAX_RESULT)")
+    return triples
+
+
 def _is_valid_problem(problem: MathProblem) -> bool:
     triples = _evaluate(problem.steps)
     operands = [x for s in problem.steps for x in ((s.left,) if s.op == "=" else (s.left, s.right))]
@@ -118,7 +126,7 @@ def math_task(rng: random.Random, names: tuple[tuple[str, str], ...]) -> Task:
     problem.swap_count = _swap_count(problem, rng)
     same_form = problem.facts[0].replace(f"{name} has {problem.steps[0].left} ", f"{other} has {problem.swap_count} ")
     problem.distractors = [same_form] + [d(rng, person) for d in rng.sample(_DISTRACTORS, rng.randint(0, 2))]
-    triples = _evaluate(problem.steps)
+    triples = _valid_triples(problem.steps)
     answer = triples[-1][2]
     return Task(
         domain="math",
@@ -147,7 +155,9 @@ def _swap_count(problem: MathProblem, rng: random.Random) -> int:
     """A count for the same-form distractor: differs from the person's, and swapped in it gives a valid problem
     with a different answer (so every row can carry a ``swapped_entity`` corruption)."""
     true_value = problem.steps[0].left
-    gold = _evaluate(problem.steps)[-1][2]
+    if not isinstance(true_value, int):
+        raise AssertionError("unreachable: every template's first step starts from a literal count")
+    gold = _valid_triples(problem.steps)[-1][2]
     candidates = [v for v in range(max(2, true_value - 8), true_value + 9) if v != true_value]
     rng.shuffle(candidates)
     for value in candidates:
@@ -160,13 +170,13 @@ def _swap_count(problem: MathProblem, rng: random.Random) -> int:
 def swapped_entity_response(problem: MathProblem) -> str:
     """The solution worked with the distractor person's count instead of the asked person's (a wrong lookup)."""
     steps = _with_first_literal(problem, problem.swap_count)
-    triples = _evaluate(steps)
+    triples = _valid_triples(steps)
     return "\n".join(_solution_lines(steps, triples, triples[-1][2]))
 
 
 def wrong_math_answer(problem: MathProblem, rng: random.Random) -> str:
     """All steps correct, but the ``####`` value is off by a small nonzero amount."""
-    triples = _evaluate(problem.steps)
+    triples = _valid_triples(problem.steps)
     gold = triples[-1][2]
     wrong = gold + rng.choice([d for d in range(-5, 6) if d and gold + d >= 0])
     return "\n".join(_solution_lines(problem.steps, triples, wrong))
@@ -174,12 +184,12 @@ def wrong_math_answer(problem: MathProblem, rng: random.Random) -> str:
 
 def wrong_math_step(problem: MathProblem, rng: random.Random) -> str:
     """One step's result is off; later steps use the wrong value, so the ``####`` value is wrong too."""
-    gold = _evaluate(problem.steps)[-1][2]
+    gold = _valid_triples(problem.steps)[-1][2]
     step_order = list(range(len(problem.steps)))
     rng.shuffle(step_order)
     deltas = [d for d in range(-5, 6) if d] + [10, -10]
     for k in step_order:
-        true_result = _evaluate(problem.steps)[k][2]
+        true_result = _valid_triples(problem.steps)[k][2]
         rng.shuffle(deltas)
         for delta in deltas:
             triples = _evaluate(problem.steps, wrong=(k, true_result + delta))

@@ -33,7 +33,9 @@ class Task:
 
 def render_prompt(sentences: list[tuple[str, bool]], prefix: str = "") -> tuple[str, list[list[int]], list[list[int]]]:
     """Join sentences with single spaces; return the prompt and the relevant / distractor char spans."""
-    parts, relevant, distractor = [prefix] if prefix else [], [], []
+    parts: list[str] = [prefix] if prefix else []
+    relevant: list[list[int]] = []
+    distractor: list[list[int]] = []
     offset = len(prefix)
     for index, (sentence, is_distractor) in enumerate(sentences):
         if index:
