@@ -667,7 +667,7 @@ def evaluate(model: Any, heldout: Any, *, name: str | None = None, workdir: str 
     cfg = job_config("evaluate", "sft", base=base, config=config, sections=sections)
     temp = _TempWorkspace() if workdir is None and not chained else None  # referenced by the result
     if workdir is None:
-        workdir = model.workdir if chained else temp.path
+        workdir = model.workdir if temp is None else temp.path  # temp: not chained
     cfg = _with_workdir(cfg, str(workdir))
     rows = source_rows(heldout)
     with _opened(cfg) as run:

@@ -126,8 +126,8 @@ def _open_existing_run(location: str, command: str):
     from raycurate.rundir import RunDir, open_run_dir, parse_manifest
 
     if storage.is_uri(location):
-        manifest = storage.Location.parse(location, key="RUN_DIR").child("manifest.json")
-        if not storage.is_file(manifest):
+        remote_manifest = storage.Location.parse(location, key="RUN_DIR").child("manifest.json")
+        if not storage.is_file(remote_manifest):
             raise UserError(f"{command}: {storage.redact(location)} has no manifest.json; pass a raycurate run "
                             "directory (a path or a storage URI)")
         return open_run_dir(*storage.split_name(location))
