@@ -44,10 +44,14 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from raycurate.config.job import build_job_config, check_keyword_types
 from raycurate.errors import UserError
+
+if TYPE_CHECKING:
+    from raycurate.config.schema import JobConfig
+    from raycurate.rundir import RunDir
 
 log = logging.getLogger("raycurate")
 
@@ -221,7 +225,7 @@ class _TempWorkspace:
 _TEMP_WORKSPACES: weakref.WeakValueDictionary[str, _TempWorkspace] = weakref.WeakValueDictionary()
 
 
-def _with_workdir(cfg: Any, workdir: str) -> Any:
+def _with_workdir(cfg: JobConfig, workdir: str) -> JobConfig:
     from raycurate.storage import split_name
 
     runs_dir, name = split_name(str(workdir))
@@ -229,7 +233,7 @@ def _with_workdir(cfg: Any, workdir: str) -> Any:
 
 
 @contextlib.contextmanager
-def _opened(cfg: Any) -> Iterator[Any]:
+def _opened(cfg: JobConfig) -> Iterator[RunDir]:
     """``open_run(cfg)`` (inputs checked, config saved, Ray started), its writer lock released at the end."""
     from raycurate.pipelines.common import open_run
     from raycurate.rundir import release_lock
@@ -248,7 +252,7 @@ def _is_paths(source: Any) -> bool:
                                                                        for s in source)
 
 
-def _source_inputs(source: Any, cfg: Any, stack: contextlib.ExitStack) -> list[str]:
+def _source_inputs(source: Any, cfg: JobConfig, stack: contextlib.ExitStack) -> list[str]:
     """Input paths for ``source``: paths as given, in-memory rows written into the workspace's ``inputs/``.
 
     The rows are checked before the workspace is created (an empty list or table creates nothing), and the
@@ -268,8 +272,8 @@ def _source_inputs(source: Any, cfg: Any, stack: contextlib.ExitStack) -> list[s
 
 @dataclasses.dataclass
 class _Prepared:
-    run: Any
-    cfg: Any
+    run: RunDir
+    cfg: JobConfig
     tokens_stage: str
 
 

@@ -14,8 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "raycurate"
 MAX_LINES = 700
-# Split on branch s28-split; remove from this list when merged.
-OVER_LENGTH_ALLOWED = {"raycurate/data/corpus.py", "raycurate/algorithms/fidelity.py"}
+OVER_LENGTH_ALLOWED: set[str] = set()  # a module that must stay longer is listed here with the reason
 
 
 def module_name(path: Path) -> str:
