@@ -79,13 +79,13 @@ def corrupt_response(task: Task, kind: str, rng: random.Random) -> str:
 
 
 def _math(task: Task) -> MathProblem:
-    if task.math is None:
+    if not isinstance(task.math, MathProblem):
         raise ValueError(f"a {task.domain} task has no math problem to corrupt; math corruptions apply to math rows")
     return task.math
 
 
 def _code(task: Task) -> CodeTask:
-    if task.code is None:
+    if not isinstance(task.code, CodeTask):
         raise ValueError(f"a {task.domain} task has no function to corrupt; code corruptions apply to code rows")
     return task.code
 

@@ -7,11 +7,6 @@ Every domain builder returns a :class:`Task`; :func:`make_row` renders one into 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from raycurate.data.corpus.code_tasks import CodeTask
-    from raycurate.data.corpus.math_tasks import MathProblem
 
 
 @dataclass
@@ -23,8 +18,10 @@ class Task:
     sentences: list[tuple[str, bool]]  # (sentence, is_distractor)
     response_lines: list[str]
     answer: str = ""
-    math: MathProblem | None = None
-    code: CodeTask | None = None
+    # A math_tasks.MathProblem / code_tasks.CodeTask: typed loosely so this module stays below the domain modules
+    # (they build Tasks); corruptions narrow them with isinstance.
+    math: object | None = None
+    code: object | None = None
 
     @property
     def response(self) -> str:
