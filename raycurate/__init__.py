@@ -5,13 +5,14 @@ Layers (imports point down only): ``cli``/``config`` -> ``pipelines`` -> ``stage
 dependencies (ray, torch, transformers, deepspeed, vllm) are imported by the modules that need them.
 
 The Python API (``raycurate.ingest``, ``bridge_select``, ``identify_heads``, ``p2d_select``, ``bds_weights``,
-``train``, ``evaluate``; see :mod:`raycurate.api`) is imported on first attribute access.
+``curate``, ``train``, ``evaluate``; see :mod:`raycurate.api`) is imported on first attribute access.
 """
 
 __version__ = "0.1.0"
 
 # The Python API (raycurate/api.py), imported on first use so ``import raycurate`` stays cheap.
-_API = ("Result", "ingest", "bridge_select", "identify_heads", "p2d_select", "bds_weights", "train", "evaluate")
+_API = ("Result", "ingest", "bridge_select", "identify_heads", "p2d_select", "bds_weights", "curate", "train",
+        "evaluate")
 __all__ = ["__version__", *_API]
 
 

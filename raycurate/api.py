@@ -8,6 +8,7 @@
     masks = raycurate.bridge_select(data, rho_p=0.75, rho_r=0.5)  # BRIDGE token masks at one budget
     model = raycurate.train(masks)                          # compact SFT on Ray Train
     scores = raycurate.evaluate(model, heldout)             # held-out exact match, gold loss
+    curated = raycurate.curate(data, steps=["dedup", "p2d", "bridge"])  # composed curation + one SFT
 
 Every call works in a *workspace*: a run directory (``workdir=``; by default the workspace of the result it is
 given, else a fresh temporary folder in ``$TMPDIR``, deleted when the last result made in it is garbage-collected or
@@ -43,13 +44,19 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
+from raycurate.config.job import build_job_config, check_keyword_types
 from raycurate.errors import UserError
+
+if TYPE_CHECKING:
+    from raycurate.config.schema import JobConfig
+    from raycurate.rundir import RunDir
 
 log = logging.getLogger("raycurate")
 
-__all__ = ["Result", "ingest", "bridge_select", "identify_heads", "p2d_select", "bds_weights", "train", "evaluate"]
+__all__ = ["Result", "ingest", "bridge_select", "identify_heads", "p2d_select", "bds_weights", "curate", "train",
+           "evaluate"]
 
 # Sections that describe how the rows were prepared; a result carries them to the calls it feeds.
 PREPARATION_SECTIONS = ("data", "model", "tokenize", "ray")
@@ -168,31 +175,10 @@ def _read_parquet(path: Path) -> Any:
 # --------------------------------------------------------------------------------------------- config
 
 
-def _plain(value: Any) -> Any:
-    from raycurate.config.loader import to_dict
-
-    return to_dict(value) if dataclasses.is_dataclass(value) else value
-
-
-def _merge(target: dict, key: str, value: Any) -> None:
-    """Set a dotted ``key`` (``train.lr``) or merge a section mapping into ``target``."""
-    *parents, leaf = key.split(".")
-    node = target
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise UserError(f"{key}: '{part}' is not a config section")
-    value = _plain(value)
-    if isinstance(value, dict) and isinstance(node.get(leaf), dict):
-        for sub_key, sub_value in value.items():
-            _merge(node[leaf], str(sub_key), sub_value)
-    else:
-        node[leaf] = value
-
-
 def job_config(call: str, pipeline: str, *, base: Any = None, defaults: dict | None = None,
                config: dict | None = None, sections: dict | None = None, keys: dict | None = None) -> Any:
-    """The validated :class:`~raycurate.config.schema.JobConfig` of one API call.
+    """The validated :class:`~raycurate.config.schema.JobConfig` of one API call
+    (:func:`raycurate.config.job.build_job_config`, the route the CLI's commands take too).
 
     Layers, later ones win: ``base``'s preparation sections (the config of the result the call continues),
     the call's ``defaults``, ``config`` (dotted keys or section mappings), section keywords, then the call's
@@ -202,47 +188,17 @@ def job_config(call: str, pipeline: str, *, base: Any = None, defaults: dict | N
         ConfigError: Every unknown key, wrong type, out-of-range value and failed cross-field check, in one
             message naming the call (``raycurate.bridge_select() has 1 problem: bridge.rho_p: 1.5 must be <= 1``).
     """
-    from raycurate.config.loader import from_dict, to_dict
-    from raycurate.config.schema import JobConfig
+    from raycurate.config.loader import to_dict
 
-    data: dict = {}
+    prepared: dict = {}
     if base is not None:
         plain = to_dict(base)
-        data = {k: plain[k] for k in PREPARATION_SECTIONS if k in plain}
-    for layer in (defaults or {}, config or {}, sections or {}):
-        for key, value in layer.items():
-            _merge(data, str(key), value)
-    for key, value in (keys or {}).items():
-        if value is not None:
-            _merge(data, key, value)
-    data["pipeline"] = pipeline
-    return from_dict(JobConfig, data, source=f"raycurate.{call}()")
+        prepared = {k: plain[k] for k in PREPARATION_SECTIONS if k in plain}
+    return build_job_config(layers=[prepared, defaults or {}, config or {}, sections or {}], keys=keys,
+                            pipeline=pipeline, source=f"raycurate.{call}()")
 
 
 _PATH_TYPES = (str, os.PathLike)
-
-
-def check_keyword_types(call: str, **values: tuple[Any, type | tuple[type, ...]]) -> None:
-    """Check the types of a call's keywords that are not config keys (``online``, ``name``, ``workdir``, ...).
-
-    Args:
-        call: The call's name (named in the error).
-        **values: keyword -> ``(value, allowed type(s))``; None is always allowed.
-
-    Raises:
-        ConfigError: Every keyword of the wrong type, in one message, before anything runs.
-    """
-    from raycurate.config.loader import ConfigError
-
-    problems = []
-    for key, (value, allowed) in values.items():
-        allowed = allowed if isinstance(allowed, tuple) else (allowed,)
-        if value is None or (isinstance(value, allowed) and (bool not in allowed or isinstance(value, bool))):
-            continue
-        names = " or ".join("path" if t is os.PathLike else t.__name__ for t in allowed)
-        problems.append(f"{key} must be a {names}, got {type(value).__name__} {value!r:.60}")
-    if problems:
-        raise ConfigError(f"raycurate.{call}()", problems)
 
 
 # --------------------------------------------------------------------------------------------- workspaces
@@ -269,7 +225,7 @@ class _TempWorkspace:
 _TEMP_WORKSPACES: weakref.WeakValueDictionary[str, _TempWorkspace] = weakref.WeakValueDictionary()
 
 
-def _with_workdir(cfg: Any, workdir: str) -> Any:
+def _with_workdir(cfg: JobConfig, workdir: str) -> JobConfig:
     from raycurate.storage import split_name
 
     runs_dir, name = split_name(str(workdir))
@@ -277,7 +233,7 @@ def _with_workdir(cfg: Any, workdir: str) -> Any:
 
 
 @contextlib.contextmanager
-def _opened(cfg: Any) -> Iterator[Any]:
+def _opened(cfg: JobConfig) -> Iterator[RunDir]:
     """``open_run(cfg)`` (inputs checked, config saved, Ray started), its writer lock released at the end."""
     from raycurate.pipelines.common import open_run
     from raycurate.rundir import release_lock
@@ -296,7 +252,7 @@ def _is_paths(source: Any) -> bool:
                                                                        for s in source)
 
 
-def _source_inputs(source: Any, cfg: Any, stack: contextlib.ExitStack) -> list[str]:
+def _source_inputs(source: Any, cfg: JobConfig, stack: contextlib.ExitStack) -> list[str]:
     """Input paths for ``source``: paths as given, in-memory rows written into the workspace's ``inputs/``.
 
     The rows are checked before the workspace is created (an empty list or table creates nothing), and the
@@ -316,8 +272,8 @@ def _source_inputs(source: Any, cfg: Any, stack: contextlib.ExitStack) -> list[s
 
 @dataclasses.dataclass
 class _Prepared:
-    run: Any
-    cfg: Any
+    run: RunDir
+    cfg: JobConfig
     tokens_stage: str
 
 
@@ -336,12 +292,13 @@ def _check_chained(call: str, data: Result, model: str | None, config: dict | No
 @contextlib.contextmanager
 def _prepared(call: str, pipeline: str, data: Any, *, model: str | None, workdir: str | os.PathLike | None,
               config: dict | None, sections: dict, defaults: dict | None = None, keys: dict | None = None,
-              ) -> Iterator[_Prepared]:
+              prepare: bool = True) -> Iterator[_Prepared]:
     """Validate the call's config, open its workspace and have the token table ready.
 
     ``data`` as a :class:`Result` continues in its workspace (nothing re-runs); raw rows (paths, a list of
     dicts, a pyarrow Table, a Ray Dataset, ...) go through :func:`raycurate.pipelines.common.prepare_data` -- the
-    same ingest -> base_model -> tokenize sequence every pipeline starts with, skipped where current.
+    same ingest -> base_model -> tokenize sequence every pipeline starts with, skipped where current -- unless
+    ``prepare`` is False (a whole pipeline runs next and prepares them itself).
     """
     from raycurate.pipelines.common import prepare_data
 
@@ -374,7 +331,8 @@ def _prepared(call: str, pipeline: str, data: Any, *, model: str | None, workdir
             inputs = _source_inputs(data, cfg, stack)
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, input=inputs))
         with _opened(cfg) as run:
-            prepare_data(run, cfg)
+            if prepare:
+                prepare_data(run, cfg)
             yield _Prepared(run, cfg, "tokenize")
 
 
@@ -594,6 +552,47 @@ def bds_weights(data: Any, *, model: str | None = None, online: bool = False, wo
         return result
 
 
+def curate(data: Any, *, steps: list[str] | None = None, keep_fraction: float | None = None,
+           bds_mode: str | None = None, compare: bool | None = None, model: str | None = None,
+           workdir: str | os.PathLike | None = None, config: dict | None = None, **sections: Any) -> Result:
+    """Composed curation, ``pipeline: curate``: ``steps`` in order over the ``selection`` split (dedup drops
+    near-duplicates, bds / p2d keep the top ``keep_fraction`` of the rows they receive, bridge selects tokens on
+    what is left), then one SFT on the kept rows; with ``compare`` also each step alone and random rows at the
+    same response-token budget (:mod:`raycurate.pipelines.curate`, ``docs/design.md``).
+
+    Args:
+        data: Rows (anything :func:`ingest` takes) or an :func:`ingest` result; the splits are ``selection`` (the
+            pool), ``validation`` (BDS's trusted rows, dedup's reference) and ``warmup`` (BRIDGE's warmup SFT).
+        steps: Ordered steps among dedup, bds, p2d, bridge (last) (``curate.steps``; default ``[bds, bridge]``).
+        keep_fraction: Share of its rows each ranking step (bds, p2d) keeps (``curate.keep_fraction``).
+        bds_mode: ``select`` (train the kept rows unweighted) or ``weight`` (with their BDS weights).
+        compare: Also train the matched-budget single-step and random arms (``curate.compare``, default true).
+        model: Base model (raw rows only; a result keeps its own).
+        workdir: The workspace; default that of ``data`` when it is a result, else a fresh temporary folder.
+        config: Further keys, dotted or as section mappings.
+        **sections: Section mappings: ``bridge``, ``bilevel``, ``p2d``, ``train`` (every SFT), ``run``, ...
+
+    Returns:
+        :class:`Result` of stage ``train_curate`` (output ``model``): ``.model_dir`` is the SFT on the composed
+        rows (stage ``curate_rows`` of the workspace); pass it to :func:`evaluate`.  ``metrics`` holds the
+        training metrics and ``composition``: ``steps``, ``pool_rows``, ``budget_tokens`` (response tokens of
+        the composed rows), ``step_info`` (per step: rows kept, their clean share where rows carry labels) and
+        ``arms`` (rows and tokens of each trained arm).
+    """
+    from raycurate.pipelines.curate import run_curate
+
+    check_keyword_types("curate", compare=(compare, bool))
+    keys = {"curate.steps": steps, "curate.keep_fraction": keep_fraction, "curate.bds_mode": bds_mode,
+            "curate.compare": compare}
+    with _prepared("curate", "curate", data, model=model, workdir=workdir, config=config, sections=sections,
+                   keys=keys, prepare=False) as prep:
+        _require_tokenize("curate", prep)
+        manifest = run_curate(prep.cfg)  # the whole pipeline: opens the workspace again (the lock is re-entrant)
+        result = _result(prep, "train_curate", "model", method="curate")
+        result.metrics["composition"] = manifest["results"]["composition"]
+        return result
+
+
 _AUTO: Any = "auto"
 
 
@@ -672,7 +671,7 @@ def evaluate(model: Any, heldout: Any, *, name: str | None = None, workdir: str 
     cfg = job_config("evaluate", "sft", base=base, config=config, sections=sections)
     temp = _TempWorkspace() if workdir is None and not chained else None  # referenced by the result
     if workdir is None:
-        workdir = model.workdir if chained else temp.path
+        workdir = model.workdir if temp is None else temp.path  # temp: not chained
     cfg = _with_workdir(cfg, str(workdir))
     rows = source_rows(heldout)
     with _opened(cfg) as run:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import raycurate
+from raycurate.algorithms.composition import keep_count
 from raycurate.config.loader import ConfigError
 from raycurate.errors import InputError, UserError
 
@@ -33,6 +34,17 @@ def test_bad_keywords_raise_the_config_error_before_anything_runs(tmp_path):
         raycurate.train(rows(), config={"train.effective_batch_size": 6}, workdir=tmp_path / "w")
     with pytest.raises(ConfigError, match=r"needs a split named 'warmup'"):
         raycurate.bridge_select(rows(), config={"data": {"split_ratios": {"selection": 1.0}}}, workdir=tmp_path / "w")
+    assert not (tmp_path / "w").exists()  # nothing written
+
+
+def test_curate_checks_steps_and_keywords_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigError, match=r"raycurate\.curate\(\) has 1 problem: curate\.steps: 'bridge' must be the "
+                                          r"last step"):
+        raycurate.curate(rows(), steps=["bridge", "dedup"], workdir=tmp_path / "w")
+    with pytest.raises(ConfigError, match=r"curate\.keep_fraction: 0\.0 must be > 0"):
+        raycurate.curate(rows(), keep_fraction=0.0, workdir=tmp_path / "w")
+    with pytest.raises(ConfigError, match=r"compare must be a bool, got str 'no'"):
+        raycurate.curate(rows(), compare="no", workdir=tmp_path / "w")
     assert not (tmp_path / "w").exists()  # nothing written
 
 
@@ -144,6 +156,39 @@ def test_readme_example_runs(ray_local, tmp_path, monkeypatch):
     assert 0 < selected.metrics["response_budget_ratio"] <= 0.55
     manifest = json.loads((Path(scores.workdir) / "manifest.json").read_text())
     assert {"tokenize", "bridge_select", "bridge_compact", "train_bridge", "eval_bridge"} <= set(manifest["stages"])
+
+
+def readme_curate_example() -> str:
+    """The python code block of README.md's "Python API" section that calls ``raycurate.curate``."""
+    section = README.read_text().split("## Python API", 1)[1].split("\n## ", 1)[0]
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "raycurate.curate(" in b]
+    assert len(blocks) == 1, "README.md's Python API section needs one python block that calls raycurate.curate"
+    return blocks[0]
+
+
+def test_readme_curate_example_is_extracted():
+    code = readme_curate_example()
+    compile(code, "README.md", "exec")
+    assert 'steps=["dedup", "p2d", "bridge"]' in code and "raycurate.evaluate(curated" in code
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_readme_curate_example_runs(ray_local, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(readme_curate_example(), "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    curated, scores = namespace["curated"], namespace["scores"]
+    composition = curated.metrics["composition"]
+    assert composition["steps"] == ["dedup", "p2d", "bridge"] and set(composition["arms"]) == {"composition"}
+    dedup, p2d = composition["step_info"]["dedup"], composition["step_info"]["p2d"]
+    assert p2d["kept_rows"] == keep_count(0.6, dedup["kept_rows"]) and dedup["kept_rows"] <= composition["pool_rows"]
+    assert curated.stage == "train_curate" and (curated.model_dir / "config.json").is_file()
+    assert scores.metrics["rows"] == 20 and 0.0 <= scores.metrics["exact_match"] <= 1.0
+    manifest = json.loads((tmp_path / "runs/curate_example/manifest.json").read_text())
+    assert {"curate_dedup", "p2d_select", "bridge_compact", "curate_rows", "train_curate", "eval_curate"} <= set(
+        manifest["stages"])
+    assert manifest["stages"]["tokenize"]["executions"] == 1  # prepared once: curate() and the pipeline share it
 
 
 @pytest.mark.slow

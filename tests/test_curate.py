@@ -224,7 +224,7 @@ def test_seed_summary_pools_composition_minus_arms(tmp_path):
 
 def test_proving_ground_runs_the_configured_pipeline_per_seed(tmp_path, monkeypatch):
     from raycurate.config.schema import ProvingGroundConfig, RunConfig
-    from raycurate.pipelines import curate, proving_ground
+    from raycurate.pipelines import curate, proving_ground, run_pipeline
 
     seen = []
 
@@ -237,7 +237,7 @@ def test_proving_ground_runs_the_configured_pipeline_per_seed(tmp_path, monkeypa
     monkeypatch.setattr(curate, "run_curate", fake_curate)
     cfg = JobConfig(pipeline="proving_ground", run=RunConfig(name="pg", runs_dir=str(tmp_path)),
                     proving_ground=ProvingGroundConfig(seeds=[3], pipeline="curate"))
-    summary = proving_ground.run_proving_ground(cfg)
+    summary = proving_ground.run_proving_ground(cfg, run_pipeline)
     assert seen == [("curate", 3)] and summary["pipeline"] == "curate"
     assert summary["composition_budgets"]["3"]["arms"]["bds"] == {"rows": 80, "response_tokens": 1004,
                                                                   "clean_share": None}

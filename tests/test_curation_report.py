@@ -109,7 +109,7 @@ def test_p2d_selection_precision_carries_a_bootstrap_interval(tmp_path):
 
 def test_proving_ground_runs_the_demo_per_seed_and_writes_the_pooled_summary(tmp_path, monkeypatch):
     from raycurate.config.schema import JobConfig, ProvingGroundConfig, RunConfig
-    from raycurate.pipelines import demo, proving_ground
+    from raycurate.pipelines import demo, proving_ground, run_pipeline
 
     seen = []
 
@@ -126,7 +126,7 @@ def test_proving_ground_runs_the_demo_per_seed_and_writes_the_pooled_summary(tmp
     monkeypatch.setattr(demo, "run_demo", fake_demo)
     cfg = JobConfig(pipeline="proving_ground", run=RunConfig(name="pg", runs_dir=str(tmp_path)),
                     proving_ground=ProvingGroundConfig(seeds=[0, 5]))
-    summary = proving_ground.run_proving_ground(cfg)
+    summary = proving_ground.run_proving_ground(cfg, run_pipeline)
     assert seen == [("demo", 0, "seed-0"), ("demo", 5, "seed-5")]
     oracle = summary["comparisons"]["oracle: clean vs mixed"]
     assert oracle["pooled"]["value"] == pytest.approx(0.25) and oracle["seeds_excluding_zero"] == 1

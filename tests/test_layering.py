@@ -65,8 +65,10 @@ def test_layers_import_downward_only():
 @pytest.mark.parametrize("layer, heavy", [("algorithms", ("ray", "deepspeed")), ("training", ("ray",))])
 def test_layer_modules_import_no_ray_at_runtime(layer, heavy):
     """Importing every module of ``layer`` in a fresh interpreter loads none of ``heavy`` (nor their submodules)."""
-    modules = sorted(p.stem for p in (PACKAGE / layer).glob("*.py") if p.stem != "__init__")
+    modules = sorted(".".join(p.relative_to(PACKAGE / layer).with_suffix("").parts)
+                     for p in (PACKAGE / layer).rglob("*.py") if p.stem != "__init__")
     assert modules, f"no {layer} modules found"
+    assert layer != "algorithms" or "fidelity.proxies" in modules  # sub-packages are walked too
     code = (
         "import sys\n"
         + "".join(f"import raycurate.{layer}.{m}\n" for m in modules)

@@ -177,8 +177,7 @@ def test_curate_run_report_opens_with_the_base_verdict_over_every_arm(tmp_path):
     assert "Oracle gap in greedy exact match" in top and "href='#composition'" in top
 
 
-def test_pool_only_pools_the_seed_runs_on_disk_without_running_them(tmp_path, monkeypatch):
-    import raycurate.pipelines as pipelines
+def test_pool_only_pools_the_seed_runs_on_disk_without_running_them(tmp_path):
     from raycurate.config.loader import from_dict
     from raycurate.config.schema import JobConfig
     from raycurate.errors import UserError
@@ -189,10 +188,13 @@ def test_pool_only_pools_the_seed_runs_on_disk_without_running_them(tmp_path, mo
         folder.mkdir(parents=True)
         _demo_run(folder, {"base": (_first(10), _first(5)), "mixed": (_first(100), _first(80)),
                            "clean": (_first(clean), _first(clean - 20))})
-    monkeypatch.setattr(pipelines, "run_pipeline", lambda cfg: pytest.fail("pool_only ran a pipeline"))
     cfg = from_dict(JobConfig, {"pipeline": "proving_ground", "run": {"name": "pg", "runs_dir": str(tmp_path)},
                                 "proving_ground": {"seeds": [0, 1], "pool_only": True}})
-    summary = run_proving_ground(cfg)
+
+    def never_run(cfg):
+        pytest.fail("pool_only ran a pipeline")
+
+    summary = run_proving_ground(cfg, never_run)
     oracle = summary["comparisons"]["oracle: clean vs mixed"]
     assert sorted(oracle["per_seed"]) == ["0", "1"]
     assert oracle["per_seed"]["0"]["value"] == pytest.approx(0.25)  # greedy (no sampling recorded): 150 - 100 of 200
@@ -200,4 +202,4 @@ def test_pool_only_pools_the_seed_runs_on_disk_without_running_them(tmp_path, mo
     cfg = from_dict(JobConfig, {"pipeline": "proving_ground", "run": {"name": "pg", "runs_dir": str(tmp_path)},
                                 "proving_ground": {"seeds": [0, 2], "pool_only": True}})
     with pytest.raises(UserError, match="seed-2/manifest.json does not exist"):
-        run_proving_ground(cfg)
+        run_proving_ground(cfg, never_run)

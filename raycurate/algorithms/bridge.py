@@ -20,6 +20,7 @@ from raycurate.algorithms.closure import final_answer_covered, project_response
 from raycurate.algorithms.routing import attention_for_layer, interaction_terms, routing_weights
 from raycurate.algorithms.selection import (
     BUDGET_MODES,
+    Schedule,
     SelectionResult,
     budgets,
     corpus_budgets,
@@ -33,7 +34,7 @@ from raycurate.algorithms.selection import (
 )
 from raycurate.algorithms.token_utility import knockout_prompt_scores, token_utilities
 
-SCHEDULES = ("independent", "one_pass", "alternating")
+SCHEDULES: tuple[Schedule, ...] = ("independent", "one_pass", "alternating")
 PROMPT_PROXIES = ("routing", "knockout_grad")
 
 
@@ -43,7 +44,7 @@ class SelectionSettings:
 
     rho_p: float = 0.75
     rho_r: float = 0.75
-    schedule: str = "alternating"
+    schedule: Schedule = "alternating"
     rounds: int = 4
     closure: bool = True
     closure_tau: float | None = None
@@ -126,6 +127,7 @@ def surrogate_state(utilities: np.ndarray, a_p: np.ndarray, c: np.ndarray, row: 
     prompt_eligible[prompt_idx] = True
     response_eligible = np.zeros(n - p, dtype=bool)
     response_eligible[response_idx - p] = True
+    bias: np.ndarray | None
     beta, gamma, bias = fold_fixed_positions(beta_full.double().numpy(), gamma_full.double().numpy(),
                                              prompt_eligible, response_eligible)
     if not settings.fold_fixed_response:
@@ -356,10 +358,11 @@ def dequantize(values: np.ndarray, scale: float) -> np.ndarray:
 def round_trip(scores: RowScores, dtype: str) -> RowScores:
     """``scores`` as the selection reads them back after storing them in ``dtype`` (exact for float32)."""
 
-    def rt(x: np.ndarray | None) -> np.ndarray | None:
-        return None if x is None else dequantize(*quantize(x, dtype))
+    def rt(x: np.ndarray) -> np.ndarray:
+        return dequantize(*quantize(x, dtype))
 
-    return RowScores(rt(scores.utilities), rt(scores.a_p), rt(scores.c), rt(scores.prompt_scores))
+    prompt_scores = None if scores.prompt_scores is None else rt(scores.prompt_scores)
+    return RowScores(rt(scores.utilities), rt(scores.a_p), rt(scores.c), prompt_scores)
 
 
 def score_rows(

@@ -18,11 +18,11 @@ from raycurate.algorithms import kernels
 
 def knapsack_dp(
     weights: Sequence[int],
-    values: Sequence[float],
+    values: Sequence[float] | np.ndarray,
     capacity: int,
     *,
     priority: Sequence[int] | None = None,
-    positive: Sequence[float] | None = None,
+    positive: Sequence[float] | np.ndarray | None = None,
 ) -> list[int]:
     """Exact 0/1 knapsack: maximise ``sum values`` s.t. ``sum weights <= capacity``; O(M * capacity).
 
@@ -66,7 +66,8 @@ def knapsack_dp(
         np.maximum(value[wi:], cand, out=value[wi:])
     chosen, c = [], capacity
     for i in range(m - 1, -1, -1):
-        if take[i] is not None and c >= w[i] and take[i][c - w[i]]:
+        row = take[i]
+        if row is not None and c >= w[i] and row[c - w[i]]:
             chosen.append(i)
             c -= w[i]
     return sorted(chosen)
@@ -74,11 +75,11 @@ def knapsack_dp(
 
 def greedy_density(
     weights: Sequence[int],
-    values: Sequence[float],
+    values: Sequence[float] | np.ndarray,
     capacity: int,
     *,
     priority: Sequence[float] | None = None,
-    positive: Sequence[float] | None = None,
+    positive: Sequence[float] | np.ndarray | None = None,
 ) -> list[int]:
     """Greedy by density ``value / weight`` (then priority, positive utility, index); skips what does not fit.
 

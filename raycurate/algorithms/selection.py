@@ -32,8 +32,8 @@ import numpy as np
 
 from raycurate.algorithms import kernels
 
-SCHEDULES = ("independent", "one_pass", "alternating")
 Schedule = Literal["independent", "one_pass", "alternating"]
+SCHEDULES: tuple[Schedule, ...] = ("independent", "one_pass", "alternating")
 
 # Added before flooring in ``budgets`` so that an exact half (rho * n = k + 0.5 in decimal) rounds up even when
 # the float product lands a hair below it (e.g. 0.35 * 90 = 31.499999999999996).
@@ -395,8 +395,9 @@ def _alternate(
 ) -> SelectionResult:
     compiled = kernels.alternate(beta, gamma, bias, int(b_p), int(b_r), rounds) if kernels.active() else None
     if compiled is not None:  # the same rounds with the work between the BLAS products compiled (bit-identical)
-        s_p, s_r, prompt_scores, response_scores, u_sur, t, converged = compiled
-        return SelectionResult(s_p, s_r, prompt_scores, response_scores, u_sur, rounds_run=t, converged=converged)
+        s_p, s_r, prompt_scores, response_scores, compiled_u_sur, t, converged = compiled
+        return SelectionResult(s_p, s_r, prompt_scores, response_scores, compiled_u_sur, rounds_run=t,
+                               converged=converged)
     s_r = top_b(gamma, b_r)  # (r,) S_r^0 = Top gamma
     u_sur: list[float] = []
     converged, t = False, 0

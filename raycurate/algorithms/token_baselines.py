@@ -394,7 +394,7 @@ def token_cleaning_masks(
 
 
 def token_cleaning_global_masks(
-    response_scores: Sequence[np.ndarray],
+    response_scores: Sequence[np.ndarray] | Sequence[Sequence[float]],
     prompt_lens: Sequence[int],
     rho_p: float,
     rho_r: float,
@@ -580,7 +580,7 @@ def _pair(loss_base: np.ndarray, loss_ref: np.ndarray) -> tuple[np.ndarray, np.n
     return base, ref
 
 
-def _row_vector(x: np.ndarray, name: str) -> np.ndarray:
+def _row_vector(x: np.ndarray | Sequence[float], name: str) -> np.ndarray:
     out = np.asarray(x, dtype=np.float64)
     if out.ndim != 1:
         raise ValueError(f"{name} must be a 1-D vector over row positions, got shape {out.shape}")

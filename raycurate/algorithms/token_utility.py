@@ -483,7 +483,10 @@ def knockout_prompt_scores(
     scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     if not weights.any() or not prompt.any():
         return scores
-    start, stop = logit_window(weights)  # logits at [start, stop) predict [start + 1, stop]
+    window = logit_window(weights)  # logits at [start, stop) predict [start + 1, stop]
+    if window is None:  # only column 0 is supervised: no logit predicts it
+        return scores
+    start, stop = window
     names = list(params)
     tensors = [params[name] for name in names]
     vectors = [direction[name].detach().to(params[name].device, params[name].dtype) for name in names]

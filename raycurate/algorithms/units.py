@@ -196,7 +196,7 @@ def _math_segments(text: str) -> list[_Seg]:
 
 
 def _code_segments(text: str) -> list[_Seg]:
-    segs = []
+    segs: list[_Seg] = []
     for a, b, block in _fenced_blocks(text):
         if block == "code":
             segs.extend(_Seg(s, e, "statement") for s, e in _statement_spans(text, a, b))

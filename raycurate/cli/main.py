@@ -23,7 +23,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from raycurate.config.loader import apply_overrides, describe, from_dict, override_keys, read_yaml
+from raycurate.config.loader import apply_overrides, describe, from_dict, override_keys
 from raycurate.errors import UserError
 
 log = logging.getLogger("raycurate")
@@ -41,22 +41,11 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _load_job(path: Path | None, overrides: list[str], extra: dict | None = None):
-    from raycurate.config.schema import JobConfig
+    """The job config of a command: ``path`` (or the defaults), the command's flags (``extra``: section
+    mappings), then the ``key=value`` overrides (:func:`raycurate.config.job.build_job_config`)."""
+    from raycurate.config.job import build_job_config
 
-    data = read_yaml(path) if path else {}
-    flagged: set[str] = set()  # keys set by command-line flags (--data, --out, ...)
-    for section, values in (extra or {}).items():
-        if isinstance(values, dict):
-            if not isinstance(data.setdefault(section, {}), dict):
-                data[section] = {}
-            data[section].update(values)
-            flagged.update(f"{section}.{key}" for key in values)
-        else:
-            data[section] = values
-            flagged.add(section)
-    data = apply_overrides(data, overrides)
-    return from_dict(JobConfig, data, source=str(path) if path else "command line",
-                     overridden=override_keys(overrides) | flagged)
+    return build_job_config(path, layers=[extra] if extra else [], overrides=overrides, command_line=True)
 
 
 def _out_to_run(out: str | None) -> dict:
@@ -137,8 +126,8 @@ def _open_existing_run(location: str, command: str):
     from raycurate.rundir import RunDir, open_run_dir, parse_manifest
 
     if storage.is_uri(location):
-        manifest = storage.Location.parse(location, key="RUN_DIR").child("manifest.json")
-        if not storage.is_file(manifest):
+        remote_manifest = storage.Location.parse(location, key="RUN_DIR").child("manifest.json")
+        if not storage.is_file(remote_manifest):
             raise UserError(f"{command}: {storage.redact(location)} has no manifest.json; pass a raycurate run "
                             "directory (a path or a storage URI)")
         return open_run_dir(*storage.split_name(location))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 
@@ -41,5 +42,5 @@ def option(
     metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "items": items,
                 "bounds": bounds}
     if isinstance(default, (list, dict, set)) or dataclasses.is_dataclass(default):
-        return dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d), metadata=metadata)
+        return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

@@ -22,13 +22,16 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
 from raycurate.errors import UserError
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")  # a config section class
 
 
 class ConfigError(UserError, ValueError):
@@ -88,7 +91,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str], root: type | Non
             _coerce(k, key_tp, f"{key}.<key>", problems): _coerce(v, val_tp, f"{key}.{k}", problems)
             for k, v in value.items()
         }
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             problems.append(f"{key}: expected a mapping of {tp.__name__} fields, got {type(value).__name__}")
             return tp()
@@ -324,10 +327,10 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             rows.extend(describe(tp, key + "."))
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         help_text = f.metadata.get("help", "")
         if f.metadata.get("choices"):
             help_text += f" (one of {list(f.metadata['choices'])})"

@@ -101,6 +101,7 @@ def equation_counts(text: str) -> tuple[int, int]:
     correct = total = 0
     for a, op, b, c in _EQUATION.findall(text):
         x, y, z = Decimal(a), Decimal(b), Decimal(c)
+        value: Decimal | None
         if op in "x×*":
             value = x * y
         elif op == "/":

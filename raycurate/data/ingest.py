@@ -295,8 +295,10 @@ class _Ingest:
         if raw.error is not None:
             self.reject(raw, *raw.error)
             return
+        assert raw.record is not None, "a row without a parse error has a record"
         verdict = check_record(raw.record, seen_ids=self.seen_ids, known_domains=self.known_domains)
         if verdict.record is None:
+            assert verdict.reason is not None, "a rejected record has a reason"
             self.reject(raw, verdict.reason, verdict.field, verdict.detail)
             return
         record = verdict.record

@@ -61,7 +61,7 @@ def apply_adapter(model: Any, spec: dict | None) -> Any:
         The model whose ``requires_grad`` parameters are exactly the adapter's.
     """
     kind = adapter_kind(spec)
-    if kind == "full":
+    if kind == "full" or spec is None:  # adapter_kind(None) == "full"
         return model
     if kind == "lora":
         from peft import get_peft_model

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ def _cache_keyword() -> str:
     return "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
 
-def _returned_cache(out: object) -> object:
+def _returned_cache(out: Any) -> Any:
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
 
@@ -149,7 +150,7 @@ def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, row_gen
 
 
 def _prefill(model: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int, pad_id: int,
-             device: torch.device) -> tuple[object, torch.Tensor, torch.Tensor]:
+             device: torch.device) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """Forward the prompts once and repeat each row ``n`` times: (output, attention_mask, position_ids), (B*n, T).
 
     The output's last-position logits and its KV cache are repeated row by row (``batch_repeat_interleave``), so

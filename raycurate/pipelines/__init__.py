@@ -2,58 +2,61 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from raycurate.config.schema import JobConfig
 
 
-def _demo(cfg: Any) -> dict:
+def _demo(cfg: JobConfig) -> dict:
     from raycurate.pipelines.demo import run_demo
 
     return run_demo(cfg)
 
 
-def _sft(cfg: Any) -> dict:
+def _sft(cfg: JobConfig) -> dict:
     from raycurate.pipelines.sft import run_sft_pipeline
 
     return run_sft_pipeline(cfg)
 
 
-def _bridge(cfg: Any) -> dict:
+def _bridge(cfg: JobConfig) -> dict:
     from raycurate.pipelines.bridge import run_bridge_pipeline
 
     return run_bridge_pipeline(cfg)
 
 
-def _p2d(cfg: Any) -> dict:
+def _p2d(cfg: JobConfig) -> dict:
     from raycurate.pipelines.p2d import run_p2d_pipeline
 
     return run_p2d_pipeline(cfg)
 
 
-def _bilevel(cfg: Any) -> dict:
+def _bilevel(cfg: JobConfig) -> dict:
     from raycurate.pipelines.bilevel import run_bilevel_pipeline
 
     return run_bilevel_pipeline(cfg)
 
 
-def _curate(cfg: Any) -> dict:
+def _curate(cfg: JobConfig) -> dict:
     from raycurate.pipelines.curate import run_curate
 
     return run_curate(cfg)
 
 
-def _proving_ground(cfg: Any) -> dict:
+def _proving_ground(cfg: JobConfig) -> dict:
     from raycurate.pipelines.proving_ground import run_proving_ground
 
-    return run_proving_ground(cfg)
+    return run_proving_ground(cfg, run_pipeline)  # each seed's job goes through this registry
 
 
-PIPELINES: dict[str, Callable[[Any], dict]] = {
+PIPELINES: dict[str, Callable[[JobConfig], dict]] = {
     "demo": _demo, "sft": _sft, "bridge": _bridge, "p2d": _p2d, "bilevel": _bilevel, "curate": _curate,
     "proving_ground": _proving_ground,
 }
 
 
-def run_pipeline(cfg: Any) -> dict:
+def run_pipeline(cfg: JobConfig) -> dict:
     """Run the pipeline named by ``cfg.pipeline``."""
     try:
         runner = PIPELINES[cfg.pipeline]

@@ -12,19 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raycurate.config.bilevel import BilevelConfig
+    from raycurate.config.schema import JobConfig
+    from raycurate.config.train import TrainConfig
+    from raycurate.rundir import RunDir
 
 log = logging.getLogger("raycurate")
 
 
-def has_labels(run: Any, tokens_stage: str) -> bool:
+def has_labels(run: RunDir, tokens_stage: str) -> bool:
     """Whether a token table carries the embedded corpus's ground-truth labels."""
     from raycurate.stages.bilevel import label_columns
 
     return "label" in label_columns(run, tokens_stage)
 
 
-def split_rows(run: Any, cfg: Any) -> bool:
+def split_rows(run: RunDir, cfg: JobConfig) -> bool:
     """The validation and candidate tables (and the clean candidates when labels exist); returns has-labels."""
     import pyarrow.compute as pc
 
@@ -65,7 +71,7 @@ def split_rows(run: Any, cfg: Any) -> bool:
     return labelled
 
 
-def near_duplicates(run: Any, cfg: Any) -> list[str]:
+def near_duplicates(run: RunDir, cfg: JobConfig) -> list[str]:
     """Candidate ids the optional near-duplicate filter drops (``bilevel.dedup_threshold``; [] when off)."""
     from raycurate.stages.bilevel_dedup import dedup_stage, flagged_ids
 
@@ -81,14 +87,14 @@ def near_duplicates(run: Any, cfg: Any) -> list[str]:
     return flagged_ids(run, "bilevel_dedup")
 
 
-def adapter_spec(bilevel: Any) -> dict | None:
+def adapter_spec(bilevel: BilevelConfig) -> dict | None:
     """The theta adapter of every bilevel method (LoRA by default, as the paper)."""
     if bilevel.adapter == "full":
         return None
     return {"kind": "lora", "r": bilevel.lora_r, "alpha": bilevel.lora_alpha}
 
 
-def selection_ids(run: Any, cfg: Any, method: str) -> list[str]:
+def selection_ids(run: RunDir, cfg: JobConfig, method: str) -> list[str]:
     """Candidate ids chosen by a selection baseline (random, dsir, less)."""
     from raycurate.stages.bilevel_select import dsir_select_stage, less_select_stage, selection_count
     from raycurate.stages.p2d import seeded_sample, selected_ids, token_ids
@@ -111,7 +117,7 @@ def selection_ids(run: Any, cfg: Any, method: str) -> list[str]:
     return selected_ids(run, stage)
 
 
-def train_method(run: Any, cfg: Any, method: str, train_cfg: Any) -> str:
+def train_method(run: RunDir, cfg: JobConfig, method: str, train_cfg: TrainConfig) -> str:
     """Train one method; returns its model stage."""
     from raycurate.stages.bilevel import bds_stage, weighted_union_stage
     from raycurate.stages.model_stages import train_stage
@@ -151,12 +157,12 @@ def check_methods(methods: list[str]) -> None:
                          "mix_<rho> with 0 < rho <= 1 (e.g. mix_0.5)")
 
 
-def bilevel_train_config(cfg: Any) -> Any:
+def bilevel_train_config(cfg: JobConfig) -> TrainConfig:
     """``train`` with the bilevel learning rate and epochs (every bilevel method trains with it)."""
     return dataclasses.replace(cfg.train, lr=cfg.bilevel.lr, epochs=cfg.bilevel.epochs)
 
 
-def run_bilevel_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
+def run_bilevel_stages(run: RunDir, cfg: JobConfig, *, evaluate: bool) -> dict:
     """The bilevel stages on top of ``prepare_data``'s outputs; returns ``{method: heldout metrics}``."""
     from raycurate.stages.base import output_path
     from raycurate.stages.bilevel import generation_samples, loss_eval_stage, weight_analysis
@@ -193,7 +199,7 @@ def run_bilevel_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
     return results
 
 
-def run_bilevel_pipeline(cfg: Any) -> dict:
+def run_bilevel_pipeline(cfg: JobConfig) -> dict:
     """``pipeline: bilevel``: data preparation, BDS / BMO, the baselines and (on the embedded corpus) evaluation."""
     from raycurate.pipelines.common import run_standalone
 

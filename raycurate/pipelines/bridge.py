@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raycurate.config.schema import JobConfig
+    from raycurate.rundir import RunDir
 
 log = logging.getLogger("raycurate")
 
@@ -28,7 +32,7 @@ def split_equals(name: str):
     return keep
 
 
-def run_bridge_selection(run: Any, cfg: Any) -> dict[str, str]:
+def run_bridge_selection(run: RunDir, cfg: JobConfig) -> dict[str, str]:
     """The BRIDGE selection on top of ``prepare_data``'s outputs: split subsets, warmup SFT, scoring direction,
     score + select, compaction, the configured baselines' masks and the fidelity diagnostics.
 
@@ -55,7 +59,7 @@ def run_bridge_selection(run: Any, cfg: Any) -> dict[str, str]:
     return methods
 
 
-def run_bridge_core(run: Any, cfg: Any) -> str:
+def run_bridge_core(run: RunDir, cfg: JobConfig) -> str:
     """Split subsets, warmup SFT, scoring direction, ``bridge_score`` (once), ``bridge_select`` at
     ``cfg.bridge``'s budgets and ``bridge_compact``; returns the compacted token stage (no baselines, no
     diagnostics).  Shared by :func:`run_bridge_selection` and the curate pipeline."""
@@ -84,7 +88,7 @@ def run_bridge_core(run: Any, cfg: Any) -> str:
     return "bridge_compact"
 
 
-def run_bridge_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
+def run_bridge_stages(run: RunDir, cfg: JobConfig, *, evaluate: bool) -> dict:
     """The BRIDGE stages on top of ``prepare_data``'s outputs; returns ``{method: heldout metrics}``."""
     from raycurate.stages.model_stages import evaluate_stage, train_stage
 
@@ -100,7 +104,7 @@ def run_bridge_stages(run: Any, cfg: Any, *, evaluate: bool) -> dict:
     return results
 
 
-def run_bridge_pipeline(cfg: Any) -> dict:
+def run_bridge_pipeline(cfg: JobConfig) -> dict:
     """``pipeline: bridge``: data preparation, BRIDGE, its baselines and (on the embedded corpus) evaluation."""
     from raycurate.pipelines.common import run_standalone
 

@@ -1,19 +1,21 @@
-"""Pieces every pipeline starts with: the run directory, the saved config, Ray, and the training data."""
+"""Pieces every pipeline starts with (the run directory, the saved config, Ray, the training data) and ends with
+(held-out results, lm-eval, the report)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Callable
 
 from raycurate import storage
 from raycurate.config.loader import dump_yaml
+from raycurate.config.schema import JobConfig
 from raycurate.rundir import RunDir, atomic_write_text, open_run_dir
 
 log = logging.getLogger("raycurate")
 
 
-def check_job_inputs(cfg: Any) -> None:
+def check_job_inputs(cfg: JobConfig) -> None:
     """Fail before any stage runs (and before Ray starts) on inputs that cannot work: data paths that do not
     resolve to readable files, a model folder that is not a checkpoint.
 
@@ -38,7 +40,7 @@ def check_job_inputs(cfg: Any) -> None:
 EXACT_SPLIT_CHECK_ROWS = 20_000  # embedded corpora up to this size are generated to count their split exactly
 
 
-def check_split_sizes(cfg: Any) -> None:
+def check_split_sizes(cfg: JobConfig) -> None:
     """Fail before Ray starts when a split the job trains on cannot hold one effective batch.
 
     With the embedded corpus (no ``data.input``) the rows and their split are known from the config: the corpus
@@ -70,12 +72,12 @@ def check_split_sizes(cfg: Any) -> None:
                 "raise data.corpus_rows or the warmup share, or lower train.effective_batch_size"])
 
 
-def saved_config(cfg: Any) -> Any:
+def saved_config(cfg: JobConfig) -> JobConfig:
     """``cfg`` as written to ``config.yaml``: the storage URI without credentials or query secrets."""
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, runs_dir=storage.redact(cfg.run.runs_dir)))
 
 
-def open_run(cfg: Any) -> RunDir:
+def open_run(cfg: JobConfig) -> RunDir:
     """Check the job's inputs, create ``<runs_dir>/<name>`` (for a storage URI: its local mirror, pulled from the
     URI) holding its writer lock, save the resolved config (credentials redacted), start Ray and configure Ray
     Data (progress bars follow ``run.progress``)."""
@@ -94,7 +96,7 @@ def open_run(cfg: Any) -> RunDir:
     return run
 
 
-def prepare_data(run: RunDir, cfg: Any) -> dict:
+def prepare_data(run: RunDir, cfg: JobConfig) -> dict:
     """corpus (embedded default only) -> ingest -> base_model -> tokenize; record row accounting.
 
     Returns:
@@ -150,7 +152,7 @@ def record_row_accounting(run: RunDir, ingest: dict, tokenize: dict) -> dict:
     return rows
 
 
-def lm_eval_models(run: RunDir, cfg: Any, model_stages: dict[str, str]) -> dict:
+def lm_eval_models(run: RunDir, cfg: JobConfig, model_stages: dict[str, str]) -> dict:
     """lm-eval (``eval.lm_eval_tasks``) on each ``{name: model stage}``; results go to ``results.lm_eval``."""
     if not cfg.eval.lm_eval_tasks:
         return {}
@@ -188,11 +190,9 @@ def record_heldout(run: RunDir, heldout: dict, split: str = "heldout") -> None:
     run.update_manifest(results={**results, split: {**results.get(split, {}), **heldout}})
 
 
-def run_standalone(cfg: Any, stages: Any) -> dict:
+def run_standalone(cfg: JobConfig, stages: Callable[..., dict]) -> dict:
     """A method pipeline on its own: data preparation, ``stages(run, cfg, evaluate=...)``, held-out results,
     lm-eval on the trained models and the report; returns the final manifest."""
-    from raycurate.pipelines.sft import write_report
-
     run = open_run(cfg)
     records = prepare_data(run, cfg)
     results = stages(run, cfg, evaluate="corpus" in records)
@@ -206,3 +206,13 @@ def run_standalone(cfg: Any, stages: Any) -> dict:
     lm_eval_models(run, cfg, {name.removeprefix("train_"): name for name in trained})
     write_report(run)
     return run.load_manifest()
+
+
+def write_report(run: RunDir) -> str:
+    """Render ``report.html`` for the run, upload the run root's files to remote storage (if any) and return the
+    report's path.  Every pipeline ends here."""
+    from raycurate.report.html import write_run_report
+
+    path = str(write_run_report(run.root))
+    run.sync()
+    return path

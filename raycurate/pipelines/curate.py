@@ -32,14 +32,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from raycurate.algorithms.composition import Step
+    from raycurate.config.schema import JobConfig
+    from raycurate.rundir import RunDir
 
 log = logging.getLogger("raycurate")
 
 COMPOSITION_MODEL = "curate"
 
 
-def score_step(run: Any, cfg: Any, name: str) -> tuple[Any, dict]:
+def score_step(run: RunDir, cfg: JobConfig, name: str) -> tuple[Step, dict]:
     """Run one example-level step's stages over the whole pool.
 
     Returns:
@@ -79,16 +86,18 @@ def score_step(run: Any, cfg: Any, name: str) -> tuple[Any, dict]:
     raise ValueError(f"curate step {name!r} is not an example-level step (dedup, bds, p2d)")
 
 
-def arm_weights(cfg: Any, steps: dict[str, Any], ids: list[str], *, uses_bds: bool) -> dict[str, float] | None:
+def arm_weights(cfg: JobConfig, steps: dict[str, Step], ids: list[str], *, uses_bds: bool) -> dict[str, float] | None:
     """The SFT weights of a set of rows: their BDS weights (mean 1) in ``bds_mode: weight``, else None."""
     from raycurate.algorithms.composition import normalised_weights
 
     if cfg.curate.bds_mode != "weight" or not uses_bds:
         return None
-    return normalised_weights(steps["bds"].scores, ids)
+    scores = steps["bds"].scores
+    assert scores is not None, "the bds step ranks (it has scores)"
+    return normalised_weights(scores, ids)
 
 
-def matched_arms(run: Any, cfg: Any, pool: list[str], steps: dict[str, Any],
+def matched_arms(run: RunDir, cfg: JobConfig, pool: list[str], steps: dict[str, Step],
                  budget: int) -> dict[str, tuple[str, dict]]:
     """Each step alone over the whole pool, and seeded random rows, cut to ``budget`` response tokens.
 
@@ -100,13 +109,13 @@ def matched_arms(run: Any, cfg: Any, pool: list[str], steps: dict[str, Any],
 
     curate = cfg.curate
     tokens = response_tokens(run, "curate_pool_rows")
-    rankings: dict[str, dict[str, float]] = {}
+    rankings: dict[str, Mapping[str, float]] = {}
     for name in curate.steps if len(curate.steps) > 1 else []:
         if name == "bridge":
             continue
         step = steps[name]
         rankings[name] = step.scores if step.scores is not None else {
-            i: 0.0 if i in step.dropped else 1.0 for i in pool}  # dedup: undropped rows first, then random
+            i: 0.0 if i in (step.dropped or ()) else 1.0 for i in pool}  # dedup: undropped rows first, then random
     rankings["random"] = {i: 0.0 for i in pool}  # constant score: the seeded tie-break is the order
     arms: dict[str, tuple[str, dict]] = {}
     for name, scores in rankings.items():
@@ -122,7 +131,7 @@ def matched_arms(run: Any, cfg: Any, pool: list[str], steps: dict[str, Any],
     return arms
 
 
-def matched_bridge(run: Any, cfg: Any, pool: list[str], budget: int) -> tuple[str, dict]:
+def matched_bridge(run: RunDir, cfg: JobConfig, pool: list[str], budget: int) -> tuple[str, dict]:
     """BRIDGE alone over the whole pool, re-selected from the stored scores at the response ratio that supervises
     about ``budget`` tokens (``rho_p`` unchanged); returns (training-table stage, its metrics + ``rho_r``)."""
     from raycurate.algorithms.composition import matched_response_ratio
@@ -143,7 +152,7 @@ def matched_bridge(run: Any, cfg: Any, pool: list[str], budget: int) -> tuple[st
     return "curate_bridge_rows", {**record["metrics"], "rho_r": rho_r}
 
 
-def reference_models(run: Any, cfg: Any) -> dict[str, dict]:
+def reference_models(run: RunDir, cfg: JobConfig) -> dict[str, dict]:
     """Evaluate the base model and train + evaluate ``mixed`` (the whole pool) and ``clean`` (its clean rows).
 
     Returns:
@@ -168,14 +177,13 @@ def reference_models(run: Any, cfg: Any) -> dict[str, dict]:
     return heldout
 
 
-def run_curate(cfg: Any) -> dict:
+def run_curate(cfg: JobConfig) -> dict:
     """``pipeline: curate``: the steps, one SFT on the composed table, the matched-budget arms; returns the
     final manifest (``results.composition``)."""
     from raycurate.algorithms.composition import compose
     from raycurate.config.curate import POOL_SPLIT
     from raycurate.pipelines.bridge import run_bridge_core, split_equals
-    from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout
-    from raycurate.pipelines.sft import write_report
+    from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout, write_report
     from raycurate.report.composition import COMPOSITION, score_arms
     from raycurate.stages.curate import subset_rows_stage
     from raycurate.stages.data_stages import filter_tokens_stage

@@ -9,9 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from raycurate.config.schema import DEMO_METHODS
-from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout
-from raycurate.pipelines.sft import write_report
+from raycurate.config.schema import DEMO_METHODS, JobConfig
+from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout, write_report
 from raycurate.report.curation import record_curation
 
 log = logging.getLogger("raycurate")
@@ -26,7 +25,7 @@ def clean_rows(table: Any) -> Any:
     return pc.struct_field(table["label"], "clean")
 
 
-def run_demo(cfg: Any) -> dict:
+def run_demo(cfg: JobConfig) -> dict:
     """Run the demo pipeline; returns the final manifest (with ``results`` comparing the models)."""
     from raycurate.stages.data_stages import filter_tokens_stage
     from raycurate.stages.model_stages import evaluate_stage, train_stage

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raycurate.config.schema import JobConfig
+    from raycurate.rundir import RunDir
 
 log = logging.getLogger("raycurate")
 
 SELECTION_STAGES = ["p2d_proxy_rows", "p2d_proxy", "p2d_heads", "p2d_probe", "p2d_select"]
 
 
-def _variants(run: Any, cfg: Any) -> dict[str, tuple[str, dict | None, tuple[str, ...]]]:
+def _variants(run: RunDir, cfg: JobConfig) -> dict[str, tuple[str, dict | None, tuple[str, ...]]]:
     """``name -> (token stage, adapter spec, extra upstream)`` of P2D and its configured baselines."""
     from raycurate.stages.p2d import random_heads, selected_heads
 
@@ -42,7 +46,7 @@ def _variants(run: Any, cfg: Any) -> dict[str, tuple[str, dict | None, tuple[str
     return variants
 
 
-def pool_stage(run: Any, cfg: Any) -> str:
+def pool_stage(run: RunDir, cfg: JobConfig) -> str:
     """The token stage holding the selection pool: ``tokenize``, or its ``p2d.pool_split`` rows."""
     if cfg.p2d.pool_split is None:
         return "tokenize"
@@ -55,7 +59,7 @@ def pool_stage(run: Any, cfg: Any) -> str:
     return "p2d_pool_rows"
 
 
-def run_p2d_heads(run: Any, cfg: Any) -> str:
+def run_p2d_heads(run: RunDir, cfg: JobConfig) -> str:
     """Proxy fine-tune (unless ``p2d.task_model``) and W1 head scoring (``p2d_heads``); returns the pool stage.
 
     Shared by :func:`run_p2d_selection` and :func:`raycurate.api.identify_heads`.
@@ -80,7 +84,7 @@ def run_p2d_heads(run: Any, cfg: Any) -> str:
     return pool
 
 
-def run_p2d_scoring(run: Any, cfg: Any) -> str:
+def run_p2d_scoring(run: RunDir, cfg: JobConfig) -> str:
     """Proxy, head scoring, ICL probing and ``p2d_select`` (every pool row's s_final, the top rho_D selected);
     returns the pool stage.  Shared by :func:`run_p2d_selection` and the curate pipeline."""
     from raycurate.stages.p2d import probe_stage, select_stage
@@ -94,7 +98,7 @@ def run_p2d_scoring(run: Any, cfg: Any) -> str:
     return pool
 
 
-def run_p2d_selection(run: Any, cfg: Any) -> None:
+def run_p2d_selection(run: RunDir, cfg: JobConfig) -> None:
     """Proxy, head scoring, ICL probing and example selection, plus the data subsets the variants train on."""
     from raycurate.stages.p2d import ids_subset_stage, ifd_select_stage, seeded_sample, selected_ids, token_ids
 
@@ -114,7 +118,7 @@ def run_p2d_selection(run: Any, cfg: Any) -> None:
                          description="IFD top rho_D")
 
 
-def run_p2d_stages(run: Any, cfg: Any, *, evaluate: bool, full_sft_stage: str | None = None) -> dict:
+def run_p2d_stages(run: RunDir, cfg: JobConfig, *, evaluate: bool, full_sft_stage: str | None = None) -> dict:
     """The P2D stages on top of ``prepare_data``'s outputs; returns ``{method: heldout metrics}``."""
     from raycurate.stages.model_stages import evaluate_stage, train_stage
 
@@ -139,7 +143,7 @@ def run_p2d_stages(run: Any, cfg: Any, *, evaluate: bool, full_sft_stage: str | 
     return results
 
 
-def record_aer(run: Any, full_sft_stage: str) -> dict:
+def record_aer(run: RunDir, full_sft_stage: str) -> dict:
     """AER (paper Table 2) from the manifest's stage timings, saved under ``p2d.aer`` in the manifest."""
     from raycurate.stages.p2d import aer_table
 
@@ -153,7 +157,7 @@ def record_aer(run: Any, full_sft_stage: str) -> dict:
     return aer
 
 
-def run_p2d_pipeline(cfg: Any) -> dict:
+def run_p2d_pipeline(cfg: JobConfig) -> dict:
     """``pipeline: p2d``: data preparation, P2D, its baselines and (on the embedded corpus) evaluation."""
     from raycurate.pipelines.common import run_standalone
 

@@ -17,12 +17,15 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from raycurate.config.schema import JobConfig
 
 log = logging.getLogger("raycurate")
 
 
-def seed_config(cfg: Any, seed: int) -> Any:
+def seed_config(cfg: JobConfig, seed: int) -> JobConfig:
     """The ``proving_ground.pipeline`` job of one corpus seed, in ``<runs_dir>/<name>/seed-<seed>``."""
     runs_dir = f"{str(cfg.run.runs_dir).rstrip('/')}/{cfg.run.name}"
     return dataclasses.replace(cfg, pipeline=cfg.proving_ground.pipeline,
@@ -161,10 +164,15 @@ def existing_manifest(run_dir: Path) -> dict:
     return parse_manifest(path.read_text(), str(path))
 
 
-def run_proving_ground(cfg: Any) -> dict:
+def run_proving_ground(cfg: JobConfig, run_pipeline: Callable[[JobConfig], dict]) -> dict:
     """Run ``proving_ground.pipeline`` for every seed of ``proving_ground.seeds`` and write the pooled summary
-    (every evaluated model's per-question scores feed the comparisons); returns it."""
-    from raycurate.pipelines import run_pipeline
+    (every evaluated model's per-question scores feed the comparisons); returns it.
+
+    Args:
+        cfg: The proving-ground job.
+        run_pipeline: Runs one seed's job and returns its manifest: :func:`raycurate.pipelines.run_pipeline`, passed
+            in by the registry (which imports this module, so this module does not import it back).
+    """
     from raycurate.pipelines.common import check_split_sizes
     from raycurate.report.curation import aligned_scores, evaluated_models, scores_by_metric
     from raycurate.rundir import atomic_write_text
@@ -175,7 +183,9 @@ def run_proving_ground(cfg: Any) -> dict:
     pool_only = cfg.proving_ground.pool_only
     if not pool_only:
         check_split_sizes(cfg)  # every seed's splits, before the first seed starts Ray
-    per_seed, by_metric, budgets = {}, {}, {}
+    per_seed: dict[int, tuple[str, dict[str, Any]]] = {}
+    by_metric: dict[str, dict[int, tuple[str, dict[str, Any]]]] = {}
+    budgets: dict[str, dict] = {}
     for seed in cfg.proving_ground.seeds:
         child = seed_config(cfg, seed)
         run_dir = Path(child.run.runs_dir) / child.run.name

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from raycurate.config.schema import JobConfig
+from raycurate.pipelines.common import open_run, prepare_data, record_heldout, write_report
 
-from raycurate.pipelines.common import open_run, prepare_data, record_heldout
 
-
-def run_sft_pipeline(cfg: Any) -> dict:
+def run_sft_pipeline(cfg: JobConfig) -> dict:
     """Run the ``sft`` pipeline; returns the final manifest."""
     from raycurate.stages.model_stages import evaluate_stage, train_stage
 
@@ -21,12 +20,3 @@ def run_sft_pipeline(cfg: Any) -> dict:
     write_report(run)
     return run.load_manifest()
 
-
-def write_report(run: Any) -> str:
-    """Render ``report.html`` for the run, upload the run root's files to remote storage (if any) and return the
-    report's path.  Every pipeline ends here."""
-    from raycurate.report.html import write_run_report
-
-    path = str(write_run_report(run.root))
-    run.sync()
-    return path

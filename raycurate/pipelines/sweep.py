@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from raycurate import storage
 from raycurate.config.loader import apply_overrides, dump_yaml, from_dict, read_yaml
+from raycurate.config.schema import JobConfig
 from raycurate.config.sweep import SweepConfig, job_path, yaml_value
 from raycurate.rundir import RunDir, atomic_write_text
 
@@ -40,14 +41,12 @@ def trial_overrides(sweep: SweepConfig, params: dict, rung: int | None, runs_dir
     return [*overrides, f"run.runs_dir={runs_dir}", f"run.name={sweep.name}", "run.progress=false"]
 
 
-def job_config(job: Path, overrides: list[str]) -> Any:
+def job_config(job: Path, overrides: list[str]) -> JobConfig:
     """The typed job config of ``job`` with ``overrides``."""
-    from raycurate.config.schema import JobConfig
-
     return from_dict(JobConfig, apply_overrides(read_yaml(job), overrides), source=str(job))
 
 
-def make_trial(sweep: SweepConfig, job: Path, runs_dir: str) -> Any:
+def make_trial(sweep: SweepConfig, job: Path, runs_dir: str) -> Callable[[dict], None]:
     """The Tune function trainable: runs the pipeline once per rung and reports the manifest metric."""
 
     def trial(params: dict) -> None:

@@ -210,7 +210,7 @@ def scores_by_metric(run_dir: str | Path, manifest: dict,
 
 def oracle_is_gap(oracle: dict | None) -> bool:
     """Whether the oracle difference (clean minus mixed) is a gap at all: its interval lies above 0."""
-    return bool(oracle) and oracle["low"] > 0
+    return oracle is not None and bool(oracle) and oracle["low"] > 0
 
 
 def metric_block(label: str, scores: dict[str, Any], *, pairs: dict[str, tuple[str, str]] | None = None,

@@ -13,12 +13,17 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raycurate.algorithms.ranking import auroc
+from raycurate.config.bilevel import BilevelConfig
+from raycurate.config.train import TrainConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir, stage_hash
 from raycurate.stages.bridge import read_token_rows
+
+if TYPE_CHECKING:
+    from raycurate.stages.bilevel_train import BDSSettings
 
 log = logging.getLogger("raycurate")
 
@@ -137,7 +142,7 @@ def _rank() -> int:
 # --------------------------------------------------------------------------------------------- BDS stage
 
 
-def bds_settings(bilevel: Any, train_cfg: Any, online: bool) -> Any:
+def bds_settings(bilevel: BilevelConfig, train_cfg: TrainConfig, online: bool) -> BDSSettings:
     """:class:`BDSSettings` from the bilevel config (validation/candidate rows split the effective batch)."""
     from raycurate.stages.bilevel_train import BDSSettings
 
@@ -153,7 +158,8 @@ def bds_settings(bilevel: Any, train_cfg: Any, online: bool) -> Any:
 
 
 def bds_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage: str, base_stage: str,
-              train_cfg: Any, bilevel: Any, adapter: dict | None, online: bool, force: bool = False) -> dict:
+              train_cfg: TrainConfig, bilevel: BilevelConfig, adapter: dict | None, online: bool,
+              force: bool = False) -> dict:
     """Offline BDS (``online=False``) or BDS + BMO online regeneration on Ray Train.
 
     Outputs: ``model`` (merged HF checkpoint), ``weights.parquet`` (id, omega, sigma, rank per epoch snapshot) and,
@@ -167,6 +173,7 @@ def bds_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage
     base = output_path(run, base_stage, "model")
     settings = bds_settings(bilevel, train_cfg, online)
     upstream = [candidate_stage, validation_stage, base_stage]
+    online_cfg: dict[str, Any] | None
     online_cfg = {k: getattr(bilevel, k) for k in ("online_ratio", "online_mask", "online_samples", "temperature",
                                                    "max_new_tokens", "generation_backend", "generation_actors")}
     if not online:

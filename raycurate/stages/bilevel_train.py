@@ -1,5 +1,4 @@
-"""BDS (bilevel data selection) on Ray Train, offline and with online BMO responses: theta and the data logits omega
-learned together.
+"""BDS (bilevel data selection) on Ray Train, offline or online (BMO): theta and the data logits omega learned together.
 
 Run it::
 
@@ -58,7 +57,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, cast
 
 import numpy as np
 
@@ -91,7 +90,8 @@ from raycurate.training.collectives import all_gather_pairs, all_reduce_sum, gat
 from raycurate.training.deepspeed_config import grad_accum_steps
 from raycurate.training.export import METRICS_FILE, export_hf, run_metrics
 from raycurate.training.order import epoch_order, should_checkpoint
-from raycurate.training.session import TrainSession, build_resumed_engine, prepare_worker
+from raycurate.training.protocol import TrainSession
+from raycurate.training.session import build_resumed_engine, prepare_worker
 
 logger = logging.getLogger(__name__)
 
@@ -395,9 +395,9 @@ def bds_step(ctx: StepContext, omega_state: OmegaState, step: int) -> tuple[Omeg
     # eq. 5b / 10c: omega's coefficient is the candidate loss at theta^{k+1} (exact) or at theta^k (detached).
     omega_losses = no_grad_losses(ctx, cand_slots) if bds.variant == "exact" else cand_losses
     all_idx, all_losses = all_gather_pairs(my_cand, omega_losses, ctx.device)
+    betas = cast("tuple[float, float]", tuple(bds.omega_betas))
     omega, adam = bilevel.update_omega(bds.omega_optimizer, omega_state.omega, all_idx, all_losses, gamma,
-                                       omega_state.adam, bds.omega_lr, tuple(bds.omega_betas), bds.omega_eps,
-                                       bds.omega_baseline)
+                                       omega_state.adam, bds.omega_lr, betas, bds.omega_eps, bds.omega_baseline)
     stats = StepStats(loss_sum, float(val_losses.sum()), float(cand_losses.sum()), tokens, supervised,
                       float(all_losses.mean()), gamma, sum(not isinstance(x, int) for x in cand_slots))
     return dataclasses.replace(omega_state, omega=omega, adam=adam).observe(step, all_idx, all_losses), stats

@@ -11,13 +11,17 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from raycurate.config.bridge import BridgeConfig
 from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir
 from raycurate.stages.ray_data import resolve_pool
 from raycurate.stages.runtime import run_as_task
+
+if TYPE_CHECKING:
+    from raycurate.algorithms.bridge import SelectionSettings
 
 log = logging.getLogger("raycurate")
 
@@ -74,7 +78,7 @@ def compute_direction(theta_bar_dir: str, theta_old_dir: str, validation_tokens:
             "v_norm": global_norm(v), "last_layers": last_layers, "lam": lam}
 
 
-def direction_stage(run: RunDir, *, warmup_stage: str, base_stage: str, validation_stage: str, bridge_cfg: Any,
+def direction_stage(run: RunDir, *, warmup_stage: str, base_stage: str, validation_stage: str, bridge_cfg: BridgeConfig,
                     force: bool = False) -> dict:
     """Scoring direction v (SPEC §4) as a Ray task; writes ``bridge_direction/direction.safetensors``."""
     theta_bar = output_path(run, warmup_stage, "model")
@@ -95,7 +99,7 @@ def direction_stage(run: RunDir, *, warmup_stage: str, base_stage: str, validati
                      upstream=[warmup_stage, base_stage, validation_stage], force=force)
 
 
-def selection_settings(bridge_cfg: Any) -> Any:
+def selection_settings(bridge_cfg: BridgeConfig) -> SelectionSettings:
     """The pure-algorithm settings mirrored from the BRIDGE config."""
     from raycurate.algorithms.bridge import SelectionSettings
 
@@ -195,7 +199,7 @@ class BridgeScoreUDF:
     """Ray Data actor: token utilities + routing (+ knock-out prompt scores) for a batch of token rows; appends the
     ``score_*`` columns (:func:`score_table`).  The only BRIDGE actor that holds a model."""
 
-    def __init__(self, model_dir: str, direction_path: str, routing_layer: int | None, settings: Any,
+    def __init__(self, model_dir: str, direction_path: str, routing_layer: int | None, settings: SelectionSettings,
                  micro_batch: int, threads: int, score_dtype: str = "float16"):
         import torch
         from safetensors.torch import load_file
@@ -228,7 +232,7 @@ class BridgeSelectUDF:
     """Budgets, coupled selection and closure from the stored scores (CPU actor, or in the driver process); swaps
     the ``score_*`` columns for the ``sel_*`` columns (:func:`selection_table`).  No model."""
 
-    def __init__(self, settings: Any):
+    def __init__(self, settings: SelectionSettings):
         self.settings = settings
 
     def __call__(self, batch: Any) -> Any:
@@ -244,20 +248,21 @@ class BridgeSelectUDF:
 KNOCKOUT_SCORE_FIELDS = ("rho_p", "rho_r", "schedule", "rounds", "fold_fixed_response")
 
 
-def score_config(bridge_cfg: Any) -> dict:
+def score_config(bridge_cfg: BridgeConfig) -> dict:
     """What ``bridge_score``'s hash covers besides its upstream stages (data, theta_bar, and the direction, which
     carries the scoring layers L and lambda): the routing layer, the prompt proxy and the storage dtype.  The
     budgets only enter for ``prompt_proxy = knockout_grad``, whose prompt scores are conditioned on the routing
     selection."""
-    config = {"routing_layer": bridge_cfg.routing_layer, "prompt_proxy": bridge_cfg.prompt_proxy,
-              "score_dtype": bridge_cfg.score_dtype}
+    config: dict[str, Any] = {"routing_layer": bridge_cfg.routing_layer, "prompt_proxy": bridge_cfg.prompt_proxy,
+                              "score_dtype": bridge_cfg.score_dtype}
     if bridge_cfg.prompt_proxy == "knockout_grad":
         config["knockout_conditioned_on"] = {k: getattr(bridge_cfg, k) for k in KNOCKOUT_SCORE_FIELDS}
     return config
 
 
-def score_stage(run: RunDir, *, tokens_stage: str, warmup_stage: str, direction_stage_name: str, bridge_cfg: Any,
-                pool_cfg: ActorPoolConfig, progress: bool = True, force: bool = False) -> dict:
+def score_stage(run: RunDir, *, tokens_stage: str, warmup_stage: str, direction_stage_name: str,
+                bridge_cfg: BridgeConfig, pool_cfg: ActorPoolConfig, progress: bool = True,
+                force: bool = False) -> dict:
     """``bridge_score``: the model pass (utilities, routing, optional knock-out scores) on a fault-tolerant actor
     pool in resumable shards (:mod:`raycurate.stages.sharded`); writes ``scores/part-*.parquet`` (token columns +
     ``score_*`` columns in ``bridge.score_dtype``).  Its hash ignores the budgets (:func:`score_config`), so a
@@ -298,7 +303,7 @@ def score_stage(run: RunDir, *, tokens_stage: str, warmup_stage: str, direction_
 SELECT_IN_PROCESS_ROWS = 20_000
 
 
-def select_stage(run: RunDir, *, score_stage_name: str, bridge_cfg: Any, pool_cfg: ActorPoolConfig,
+def select_stage(run: RunDir, *, score_stage_name: str, bridge_cfg: BridgeConfig, pool_cfg: ActorPoolConfig,
                  progress: bool = True, force: bool = False, stage: str = "bridge_select") -> dict:
     """``bridge_select``: per-example budgets, coupled selection and closure from ``bridge_score``'s stored scores
     (no model, no GPU), in resumable shards, on CPU actors or in the driver process (``bridge.select_actors``);
@@ -339,7 +344,7 @@ CORPUS_BUDGET_COLUMNS = ("loss_mask", "b_r", "supervised_response", "closure_fal
                          "final_answer_kept_score_only", "utility_retained", "closure_solver")
 
 
-def apply_corpus_budget(selection_dir: Path, settings: Any) -> dict:
+def apply_corpus_budget(selection_dir: Path, settings: SelectionSettings) -> dict:
     """``bridge.budget = corpus``: re-allocate the response budget of the per-example selections in
     ``selection_dir`` (every part, rewritten in place) over the whole corpus by their stored conditional response
     scores (:func:`raycurate.algorithms.bridge.corpus_response_masks`).  Runs in the driver after the shards:

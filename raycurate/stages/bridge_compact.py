@@ -6,6 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from raycurate.config.bridge import BridgeConfig
+from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
 
@@ -74,7 +76,7 @@ def compact_stage(run: RunDir, stage: str, *, selection_stage: str, mask_prefix:
 BASELINES = ("random", "rho1", "token_cleaning", "independent", "sequential")
 
 
-def random_baseline_columns(rows: list[dict], bridge_cfg: Any) -> dict[str, list]:
+def random_baseline_columns(rows: list[dict], bridge_cfg: BridgeConfig) -> dict[str, list]:
     """Random masks with BRIDGE's budgets (matched ratios), seeded per (seed, example id)."""
     from raycurate.algorithms.bridge import fixed_masks
     from raycurate.algorithms.token_baselines import example_rng, random_masks
@@ -210,11 +212,13 @@ def loss_baseline_columns(method: str, base: Any, reference: Any, rows: list[dic
     for i, r in enumerate(rows):
         n, p = len(r["input_ids"]), int(r["prompt_len"])
         fixed_p, fixed_r = fixed_masks(p, n, r["prompt_offsets"], r["response_offsets"])
-        layout = {"has_bos": bool(fixed_p[0]), "fixed_prompt_mask": fixed_p, "fixed_response_mask": fixed_r}
+        layout: dict[str, Any] = {"has_bos": bool(fixed_p[0]), "fixed_prompt_mask": fixed_p,
+                                  "fixed_response_mask": fixed_r}
         if method in ("rho1", "token_cleaning"):
             scores = tb.response_scores(method, losses["base"][i, :n].numpy(), losses["reference"][i, :n].numpy())
             masks = tb.token_cleaning_masks(scores, p, rho_r, budget="matched", rho_p=rho_p, **layout)
         else:
+            assert surprisal is not None  # computed above for the composed methods
             prompt_scores = tb.surprisal_prompt_scores(surprisal[i, :n].numpy(), p)
             if method == "independent":
                 scores = tb.response_scores("token_cleaning", losses["base"][i, :n].numpy(),
@@ -247,7 +251,8 @@ def _compacted_rescorer(models: dict[str, Any], row: dict, pad_id: int) -> Any:
 
 
 def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stage: str, warmup_stage: str,
-                         base_stage: str, bridge_cfg: Any, pool_cfg: Any = None, force: bool = False) -> dict:
+                         base_stage: str, bridge_cfg: BridgeConfig, pool_cfg: ActorPoolConfig | None = None,
+                         force: bool = False) -> dict:
     """Masks of a token-selection baseline for the same rows as BRIDGE; writes ``masks/*.parquet``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -295,7 +300,7 @@ def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stag
                      force=force)
 
 
-def _write_token_cleaning_global(ds: Any, out: Path, bridge_cfg: Any) -> None:
+def _write_token_cleaning_global(ds: Any, out: Path, bridge_cfg: BridgeConfig) -> None:
     """Scores from the actor pool -> ``out/scores``; one corpus-wide Top-B in the driver -> ``out/masks``."""
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from raycurate.config.bridge import BridgeConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
 from raycurate.stages.runtime import run_as_task
@@ -87,7 +88,7 @@ def response_side_note(table: list[dict]) -> dict:
 
 
 def diagnostics_stage(run: RunDir, *, selection_stage: str, warmup_stage: str, direction_stage_name: str,
-                      bridge_cfg: Any, force: bool = False) -> dict:
+                      bridge_cfg: BridgeConfig, force: bool = False) -> dict:
     """Writes ``bridge_diagnostics/fidelity.json`` (Table 3 rows, the response-side note, the Fig. 2b curves)."""
     model_dir = output_path(run, warmup_stage, "model")
     direction = output_path(run, direction_stage_name, "direction")

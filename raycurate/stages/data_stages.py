@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
+from raycurate.config.data import DataConfig
 from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage
@@ -55,7 +56,7 @@ def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, 
     return run_stage(run, "corpus", body, config=config, force=force)
 
 
-def ingest_stage(run: RunDir, inputs: list[str], data_cfg: Any, *, upstream: list[str], progress: bool,
+def ingest_stage(run: RunDir, inputs: list[str], data_cfg: DataConfig, *, upstream: list[str], progress: bool,
                  force: bool = False) -> dict:
     """Validate input files into accepted parquet shards plus ``rejected.jsonl``; record row accounting."""
     from raycurate.data.ingest import ingest
@@ -182,7 +183,7 @@ def tokenize_arrow_batch(tokenizer: Any, batch: Any, max_length: int, system_pro
         if tok is None and bad is None:
             raise RuntimeError(f"tokenizer returned nothing for id {row['id']!r}")
         for name in TOKEN_COLUMNS:
-            default = 1.0 if name == "weight" else (0 if name == "prompt_len" else [])
+            default: Any = 1.0 if name == "weight" else (0 if name == "prompt_len" else [])
             columns[name].append(tok[name] if tok is not None else default)
         reject_reason.append("" if bad is None else str(bad.get("reason", "")))
         reject_detail.append("" if bad is None else str(bad.get("detail", "")))
@@ -207,7 +208,7 @@ def split_tokenized(all_dir: Path, tokens_dir: Path, rejected_path: Path) -> dic
     import pyarrow.parquet as pq
 
     tokens_dir.mkdir(parents=True, exist_ok=True)
-    counts = {"accepted": 0, "rejected": 0, "rejected_by_reason": {}}
+    counts: dict[str, Any] = {"accepted": 0, "rejected": 0, "rejected_by_reason": {}}
     with open(rejected_path, "w", encoding="utf-8") as rejected_file:
         for index, path in enumerate(sorted(all_dir.glob("*.parquet"))):
             table = pq.read_table(path)
@@ -249,8 +250,8 @@ def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, ma
     system_prompt = getattr(pool_cfg, "system_prompt", "default")
 
     def body(out: Path) -> StageOutput:
-        udf_kwargs = {"tokenizer_dir": str(tokenizer_dir), "max_length": max_length, "stage": "tokenize",
-                      "system_prompt": system_prompt}
+        udf_kwargs: dict[str, Any] = {"tokenizer_dir": str(tokenizer_dir), "max_length": max_length,
+                                      "stage": "tokenize", "system_prompt": system_prompt}
         files = list_input_files(accepted)
         local = sum(f.rows for f in files) <= TOKENIZE_IN_PROCESS_ROWS if in_process is None else in_process
         if local:

@@ -402,6 +402,7 @@ class GenerationPool:
         if gpus > 0:
             num_actors = min(num_actors, max(1, int(total_gpus // gpus)))
         cpus = actor_cpus(num_cpus_per_actor, num_actors, cluster_cpus())
+        actor_class: type
         if self.backend == "hf":
             actor_class, kwargs = HFGenerationActor, {"threads": max(1, round(cpus)), **actor_kwargs}
         else:

@@ -159,10 +159,10 @@ def force_offline() -> None:
     """Make Hugging Face libraries fail fast instead of reaching for the network, even if already imported."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-    hub_constants = sys.modules.get("huggingface_hub.constants")
+    hub_constants: Any = sys.modules.get("huggingface_hub.constants")
     if hub_constants is not None:
         hub_constants.HF_HUB_OFFLINE = True
-    datasets_config = sys.modules.get("datasets.config")
+    datasets_config: Any = sys.modules.get("datasets.config")
     if datasets_config is not None:
         datasets_config.HF_HUB_OFFLINE = True
         datasets_config.HF_DATASETS_OFFLINE = True
@@ -352,7 +352,7 @@ def run_lm_eval(
             random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
         ) or {}
         flat.update(flatten_results(results))
-        if log_samples:
+        if log_samples and samples_path is not None:
             Path(samples_path).write_text("".join(json.dumps(r) + "\n" for r in sample_records(results)))
     return flat
 
@@ -426,7 +426,7 @@ def lm_eval_stage(
     if local and (heldout_stage is None or run.stage_record(heldout_stage) is None):
         raise ValueError(f"lm-eval tasks {local} run over the embedded corpus's held-out set, which this run does "
                          "not have; use named harness tasks (e.g. arc_challenge,hellaswag,mmlu) for your own data")
-    heldout = output_path(run, heldout_stage, "heldout") if local else None
+    heldout = output_path(run, heldout_stage, "heldout") if local and heldout_stage is not None else None
 
     def body(out: Path) -> StageOutput:
         rows = None
@@ -453,5 +453,5 @@ def lm_eval_stage(
 
     config = {"tasks": tasks, "num_fewshot": num_fewshot, "limit": limit, "batch_size": batch_size,
               "max_gen_toks": max_gen_toks, "domain": domain, "allow_code_execution": allow_code_execution}
-    upstream = [model_stage, heldout_stage] if heldout is not None else [model_stage]
+    upstream = [model_stage, heldout_stage] if heldout is not None and heldout_stage is not None else [model_stage]
     return run_stage(run, stage, body, config=config, upstream=upstream, force=force)

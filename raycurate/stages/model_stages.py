@@ -9,6 +9,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from raycurate.config.model import ModelConfig
+from raycurate.config.schema import EvalConfig
+from raycurate.config.train import TrainConfig
 from raycurate.errors import UserError
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage, scratch_dir, stage_hash
@@ -18,7 +21,7 @@ from raycurate.stages.warm_tasks import map_rows_on_tasks
 log = logging.getLogger("raycurate")
 
 
-def base_model_stage(run: RunDir, model_cfg: Any, *, pretrain_texts: Any, data_key: str,
+def base_model_stage(run: RunDir, model_cfg: ModelConfig, *, pretrain_texts: Any, data_key: str,
                      force: bool = False) -> dict:
     """Resolve the base model: the committed ``embedded`` checkpoint or a local HF checkpoint as is, or a tiny preset
     pre-trained once and cached.
@@ -47,7 +50,7 @@ def base_model_stage(run: RunDir, model_cfg: Any, *, pretrain_texts: Any, data_k
             check_model_source(name)
             model_dir = resolve_model_path(name)  # a fetched registry model (smollm2-135m) -> its cache folder
         os.symlink(Path(model_dir).resolve(), out / "model", target_is_directory=True)
-        info = {"model_dir": str(Path(model_dir).resolve()), "source": name}
+        info: dict[str, Any] = {"model_dir": str(Path(model_dir).resolve()), "source": name}
         meta = Path(model_dir) / "pretrain_metadata.json"
         if meta.exists():
             info["pretrain"] = json.loads(meta.read_text())
@@ -61,7 +64,7 @@ def base_model_stage(run: RunDir, model_cfg: Any, *, pretrain_texts: Any, data_k
     return run_stage(run, "base_model", body, config=config, force=force)
 
 
-def train_stage(run: RunDir, stage: str, *, tokens_stage: str, init_stage: str, train_cfg: Any,
+def train_stage(run: RunDir, stage: str, *, tokens_stage: str, init_stage: str, train_cfg: TrainConfig,
                 adapter: dict | None = None, extra_upstream: tuple[str, ...] = (), force: bool = False) -> dict:
     """Fine-tune ``init_stage``'s model on ``tokens_stage``'s token table with Ray Train (DeepSpeed or DDP).
 
@@ -121,7 +124,7 @@ class EvaluateUDF:
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
-        self.sampling = {"samples": samples, "temperature": temperature, "seed": seed}
+        self.sampling: dict[str, Any] = {"samples": samples, "temperature": temperature, "seed": seed}
         self.system_prompt = system_prompt
         self.stage = stage
 
@@ -269,7 +272,7 @@ def sampled_answer_scores(model: Any, tokenizer: Any, rows: list[dict], prompts:
     return out
 
 
-def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: str, eval_cfg: Any,
+def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: str, eval_cfg: EvalConfig,
                    max_length: int, system_prompt: str = "default", force: bool = False) -> dict:
     """Evaluate a checkpoint on the held-out set on ``eval.pool`` Ray tasks; writes ``predictions.parquet``.
 
@@ -313,7 +316,7 @@ def question_file(run: RunDir, stage: str, split: str) -> Path:
     return output_path(run, stage, split)
 
 
-def heldout_eval_config(eval_cfg: Any, max_length: int, system_prompt: str = "default") -> dict:
+def heldout_eval_config(eval_cfg: EvalConfig, max_length: int, system_prompt: str = "default") -> dict:
     """What the held-out predictions depend on: every ``eval`` setting except the ``lm_eval_*`` ones, so changing
     those re-runs only the ``lm_eval_*`` stages, while a setting added later is keyed by default; and the system
     prompt when it is not ``"default"`` (so runs from before the option keep their stage hashes)."""

@@ -11,14 +11,19 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from raycurate.config.p2d import P2DConfig
 from raycurate.config.pool import ActorPoolConfig
+from raycurate.config.train import TrainConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage
 from raycurate.stages.bridge import read_token_rows
 from raycurate.stages.ray_data import dataset_from_rows, map_with_actor_pool, resolve_pool
 from raycurate.stages.runtime import run_as_task
+
+if TYPE_CHECKING:
+    from raycurate.algorithms.head_scoring import Method
 
 log = logging.getLogger("raycurate")
 
@@ -60,7 +65,7 @@ def ids_subset_stage(run: RunDir, stage: str, *, tokens_stage: str, ids: list[st
                                config={"ids": wanted}, force=force)
 
 
-def full_batch_train_config(train_cfg: Any, rows: int, steps: int, lr: float) -> Any:
+def full_batch_train_config(train_cfg: TrainConfig, rows: int, steps: int, lr: float) -> TrainConfig:
     """``train_cfg`` turned into ``steps`` full-batch steps over ``rows`` examples (the proxy recipe)."""
     import dataclasses
 
@@ -77,7 +82,7 @@ def full_batch_train_config(train_cfg: Any, rows: int, steps: int, lr: float) ->
 # --------------------------------------------------------------------------------------------- head scoring
 
 
-def score_heads_task(base_dir: str, proxy_dir: str, out_path: str, *, ratio: float, tau: float, method: str,
+def score_heads_task(base_dir: str, proxy_dir: str, out_path: str, *, ratio: float, tau: float, method: Method,
                      include_o: bool) -> dict:
     """Head sensitivity between the base and proxy weights, layer by layer; writes ``heads.json``.
 
@@ -145,10 +150,15 @@ class _weights:
 
 
 def heads_stage(run: RunDir, stage: str, *, base_stage: str, proxy_stage: str | None, task_model: str | None,
-                p2d_cfg: Any, force: bool = False) -> dict:
+                p2d_cfg: P2DConfig, force: bool = False) -> dict:
     """Score every query head between the base model and the proxy (or a user task model); writes heads.json."""
     base_dir = output_path(run, base_stage, "model")
-    proxy_dir = Path(task_model) if task_model else output_path(run, proxy_stage, "model")
+    if task_model:
+        proxy_dir = Path(task_model)
+    elif proxy_stage is not None:
+        proxy_dir = output_path(run, proxy_stage, "model")
+    else:
+        raise ValueError("heads_stage needs a proxy_stage (the proxy fine-tune) or a task_model to compare with")
     if task_model and not proxy_dir.is_dir():
         raise FileNotFoundError(f"p2d.task_model={task_model} is not a directory; pass a local HF checkpoint")
 
@@ -183,7 +193,7 @@ def random_heads(run: RunDir, heads_stage_name: str, seed: int) -> list[list[int
 # --------------------------------------------------------------------------------------------- ICL probing
 
 
-def probe_plan(ids: list[str], p2d_cfg: Any) -> list[dict]:
+def probe_plan(ids: list[str], p2d_cfg: P2DConfig) -> list[dict]:
     """The ICL prompts of the iterative randomised probing: ``{prompt_id, demos: [id], queries: [id]}``."""
     from raycurate.algorithms.icl_probe import icl_rounds
 
@@ -330,7 +340,7 @@ class IclProbeUDF:
 
 
 def probe_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, heads_stage_name: str,
-                p2d_cfg: Any, pool_cfg: ActorPoolConfig, max_new_tokens: int = 96, force: bool = False) -> dict:
+                p2d_cfg: P2DConfig, pool_cfg: ActorPoolConfig, max_new_tokens: int = 96, force: bool = False) -> dict:
     """ICL probing over the pool on a Ray Data actor pool; writes ``probes/*.parquet`` (one row per prompt)."""
     import ray.data
 
@@ -409,7 +419,7 @@ def precision(chosen: list[str], labels: dict[str, Any]) -> float | None:
     return sum(bool(v) for v in known) / len(known) if known else None
 
 
-def select_stage(run: RunDir, stage: str, *, pool_stage: str, probe_stage_name: str, p2d_cfg: Any,
+def select_stage(run: RunDir, stage: str, *, pool_stage: str, probe_stage_name: str, p2d_cfg: P2DConfig,
                  force: bool = False) -> dict:
     """Top rho_D of the pool by s_final; writes ``selection.parquet`` (every pool row with its reason)."""
     import pyarrow as pa

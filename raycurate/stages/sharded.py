@@ -168,13 +168,16 @@ def read_row_range(files: list[InputFile], start: int, stop: int) -> Any:
 
 def _read_file_range(parquet: Any, lo: int, hi: int) -> Any:
     """Rows ``[lo, hi)`` of one parquet file, reading only the overlapping row groups."""
-    groups, first_row, offset = [], None, 0
+    groups: list[int] = []
+    first_row: int | None = None
+    offset = 0
     for g in range(parquet.metadata.num_row_groups):
         n = parquet.metadata.row_group(g).num_rows
         if offset < hi and offset + n > lo:
             groups.append(g)
             first_row = offset if first_row is None else first_row
         offset += n
+    assert first_row is not None, f"rows [{lo}, {hi}) do not overlap the file (the caller checks)"
     table = parquet.read_row_groups(groups)
     return table.slice(lo - first_row, hi - lo)
 
@@ -416,7 +419,7 @@ def sharded_map(
     try:
         if in_process:
             worker = ShardWorker(udf_cls, ctor_kwargs, files, str(shards_dir), key, batch_rows) if todo else None
-            while todo:
+            while worker is not None and todo:
                 worker.process(todo.popleft())
                 bar.update(1)
         else:

@@ -14,7 +14,7 @@ is :mod:`raycurate.training` (no Ray).  The worker loop is a chain of small, rep
 ``micro_batch_rows`` (:mod:`~raycurate.training.order`) + ``collate`` (:mod:`~raycurate.training.batches`) ->
 ``engine.train_micro_batch(batch, loss_fn, is_boundary)`` -> ``save_checkpoint``
 (:mod:`~raycurate.training.checkpoint`) -> ``export_hf`` (:mod:`~raycurate.training.export`).  :func:`train_loop`
-runs against the small :class:`~raycurate.training.session.TrainSession` interface; :class:`RaySession` implements it
+runs against the small :class:`~raycurate.training.protocol.TrainSession` interface; :class:`RaySession` implements it
 on Ray Train (it stays here: it is the only piece that needs ``ray.train``), and a test double runs the same loop
 in-process without Ray.  :func:`launch_trainer` hands a worker entry (:func:`sft_entry`, or BDS's) its session:
 ``train.launcher=ray_train`` starts a TorchTrainer worker group with a :class:`RaySession` on each worker;
@@ -60,10 +60,10 @@ from raycurate.training.collectives import all_reduce_sum
 from raycurate.training.deepspeed_config import check_offload, grad_accum_steps
 from raycurate.training.export import METRICS_FILE, export_hf, run_metrics
 from raycurate.training.order import epoch_order, micro_batch_rows, should_checkpoint, steps_per_epoch, total_steps
+from raycurate.training.protocol import TrainSession
 from raycurate.training.session import (
     FAULT_ENV,
     TaskSession,
-    TrainSession,
     build_resumed_engine,
     maybe_inject_fault,
     prepare_worker,
@@ -170,7 +170,8 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
                     "parameters", len(table), per_epoch, start_step, run_steps, accum, session.world_size, cfg.engine,
                     trainable)
 
-    schedule, schedule_epoch = None, -1
+    schedule: Any = None  # (per_epoch, accum, world) row indices of the current epoch
+    schedule_epoch = -1
     for step in range(start_step, run_steps):
         epoch, step_in_epoch = divmod(step, per_epoch)
         if epoch != schedule_epoch:
@@ -184,12 +185,12 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
             supervised += int((batch["loss_mask"][:, 1:] != 0).sum())
             loss = engine.train_micro_batch(to_device(batch, device), loss_fn, is_boundary=k == accum - 1)
             loss_sum += float(loss)
-        loss_total, tokens, supervised = all_reduce_sum([loss_sum, tokens, supervised], device)
+        loss_total, tokens_total, supervised_total = all_reduce_sum([loss_sum, tokens, supervised], device)
         state.step = step + 1
         state.loss_per_step.append(loss_total / (accum * session.world_size))
         state.lr_per_step.append(step_lr)
-        state.tokens += int(tokens)
-        state.supervised_tokens += int(supervised)
+        state.tokens += int(tokens_total)
+        state.supervised_tokens += int(supervised_total)
         state.examples += cfg.effective_batch_size
         state.seconds += time.perf_counter() - step_started
         if session.rank == 0 and (state.step % cfg.log_every_steps == 0 or state.step == run_steps):

@@ -11,7 +11,8 @@ worker does inside a process group, so it is testable in-process with a session 
 * :mod:`~raycurate.training.zero_checkpoint` -- ZeRO universal conversion, consolidation and the DeepSpeed 0.19
   repairs (with the upgrade path).
 * :mod:`~raycurate.training.checkpoint` -- ``TrainState`` and the ONE checkpoint writer/reader of both loops.
-* :mod:`~raycurate.training.session` -- the ``TrainSession`` protocol, resume, worker set-up, fault injection.
+* :mod:`~raycurate.training.protocol` -- the ``TrainSession`` protocol every module above takes (below them all).
+* :mod:`~raycurate.training.session` -- resume, worker set-up, fault injection.
 * :mod:`~raycurate.training.collectives` -- sums and gathers over the worker process group.
 * :mod:`~raycurate.training.export` -- the final HF export and the run metrics.
 * :mod:`~raycurate.training.bds_state` / :mod:`~raycurate.training.bds_online` -- BDS's data logits (omega) and

@@ -15,12 +15,10 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from raycurate.config.train import TrainConfig
-
-if TYPE_CHECKING:
-    from raycurate.training.session import TrainSession
+from raycurate.training.protocol import TrainSession
 
 TRAINER_STATE_FILE = "trainer_state.json"
 

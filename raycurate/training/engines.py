@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raycurate.config.train import TrainConfig
 from raycurate.models.optim import cosine_with_warmup, decay_param_groups
 from raycurate.training.batches import LossFn, batch_token_losses
 from raycurate.training.deepspeed_config import UNIVERSAL_CLIENT_STATE, deepspeed_config, grad_accum_steps
+from raycurate.training.protocol import TrainSession
 from raycurate.training.zero_checkpoint import (
     DS_TAG,
     consolidate_zero_checkpoint,
     repair_zero3_universal_load,
     universal_checkpoint,
 )
-
-if TYPE_CHECKING:
-    from raycurate.training.session import TrainSession
 
 DDP_STATE_FILE = "ddp_state.pt"
 

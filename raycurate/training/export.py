@@ -13,13 +13,11 @@ import os
 import shutil
 import tempfile
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raycurate.training.checkpoint import TrainState
 from raycurate.training.engines import load_model, load_trainable_state_dict
-
-if TYPE_CHECKING:
-    from raycurate.training.session import TrainSession
+from raycurate.training.protocol import TrainSession
 
 METRICS_FILE = "train_metrics.json"
 TOKENIZER_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "chat_template")

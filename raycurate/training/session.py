@@ -1,8 +1,9 @@
-"""The session protocol a training loop runs against, resume, per-worker set-up and fault injection.
+"""Resume, per-worker set-up and fault injection of a training loop, against the session protocol.
 
-:class:`TrainSession` is the small runtime interface of a worker (rank, world size, device, restore, report).
-``raycurate.stages.train.RaySession`` implements it on Ray Train; that implementation stays in the stages layer
-because it is the only part that needs ``ray.train``.  Tests run the same loops in-process with a double.
+:class:`~raycurate.training.protocol.TrainSession` is the small runtime interface of a worker (rank, world size,
+device, restore, report). ``raycurate.stages.train.RaySession`` implements it on Ray Train; that implementation stays
+in the stages layer because it is the only part that needs ``ray.train``.  Tests run the same loops in-process with
+a double.
 
 Resume: a checkpoint stores the optimizer step it was taken after; a resumed run recomputes the same data order and
 starts at the next step, so it sees exactly the data an uninterrupted run would.  The LR schedule is a function of
@@ -19,35 +20,18 @@ import shutil
 import sys
 import tempfile
 import uuid
-from typing import Any, ContextManager, Iterator, Protocol
+from typing import Any, Iterator
 
 from raycurate.config.train import TrainConfig
 from raycurate.training.checkpoint import TrainState, read_trainer_state
 from raycurate.training.engines import build_model_engine
+from raycurate.training.protocol import TrainSession
 
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "RAYCURATE_FAULT_KILL"
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint_step_(\d{8})$")  # Ray Train's folder names (checkpoint_dir_name)
 PARTIAL_CHECKPOINT_PATTERN = re.compile(r"^\.checkpoint_step_\d{8}\.tmp-[0-9a-f]{8}$")  # a copy not renamed yet
-
-
-class TrainSession(Protocol):
-    """What the training loop needs from its runtime (Ray Train, or an in-process test double)."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    device: Any
-
-    def restore_dir(self) -> ContextManager[str | None]:
-        """Directory of the checkpoint to resume from, or None for a fresh run."""
-
-    def latest_checkpoint_dir(self) -> ContextManager[str | None]:
-        """Directory of the newest checkpoint (every rank's files): the last one reported, else the restored one."""
-
-    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
-        """Report metrics (and this rank's checkpoint files); a barrier over ranks."""
 
 
 def needs_universal_resume(saved: TrainState | None, cfg: TrainConfig, world_size: int) -> bool:
@@ -76,11 +60,11 @@ def build_resumed_engine(job: Any, run_steps: int, session: TrainSession,
     """
     saved = read_trainer_state(ckpt_dir)
     universal = needs_universal_resume(saved, job.cfg, session.world_size)
-    if universal and session.rank == 0:
+    if universal and saved is not None and session.rank == 0:
         logger.info("resuming a checkpoint written by %d workers on %d workers (ZeRO-%d universal checkpoint)",
                     saved.world_size, session.world_size, job.cfg.zero_stage)
     engine, trainable, pad_id = build_model_engine(job, run_steps, session.device, load_universal=universal)
-    if ckpt_dir is None:
+    if ckpt_dir is None or saved is None:  # read_trainer_state: None exactly for a fresh run
         return engine, trainable, pad_id, TrainState()
     engine.load(ckpt_dir, session)
     return engine, trainable, pad_id, saved

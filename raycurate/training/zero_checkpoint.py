@@ -45,10 +45,9 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
-if TYPE_CHECKING:
-    from raycurate.training.session import TrainSession
+from raycurate.training.protocol import TrainSession
 
 logger = logging.getLogger(__name__)
 
