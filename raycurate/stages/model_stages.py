@@ -77,9 +77,8 @@ def train_stage(run: RunDir, stage: str, *, tokens_stage: str, init_stage: str, 
             checkpoint (LoRA also under ``model/adapter``).
         extra_upstream: Stages the adapter spec was derived from (e.g. head scoring), so it re-runs with them.
     """
-    from raycurate.stages.train import run_sft
-
     from raycurate.models.adapters import adapter_kind
+    from raycurate.stages.train import run_sft
 
     if adapter is None:
         adapter = train_cfg.adapter_spec()  # the hash below keeps train_cfg as is: it holds the adapter fields
