@@ -664,3 +664,57 @@ def test_deepspeed_lora_on_a_bf16_frozen_base_trains_and_exports(ray_local, tiny
     merged, init = _weights(str(tmp_path / "bfloat16")), _weights(tiny_model)
     changed = {k for k in init if not torch.equal(merged[k], init[k])}
     assert changed and all(("q_proj" in k or "v_proj" in k) for k in changed)
+
+
+# ------------------------------------------------------------------------------------------ loss normalisation
+
+
+def test_supervised_counts_skip_position_zero_and_unsupervised_tokens(token_table):
+    from raycurate.training.batches import supervised_counts
+
+    table = load_token_table(token_table)
+    expected = [int((np.asarray(table.row(i)[1])[1:] != 0).sum()) for i in range(len(table))]
+    assert supervised_counts(table).tolist() == expected
+    assert min(expected) >= 2  # the fixture's rows supervise their whole response
+
+
+def test_token_loss_of_one_micro_batch_is_the_weighted_token_mean(token_table):
+    from raycurate.training.batches import token_sft_loss
+
+    table = load_token_table(token_table)
+    batch = collate(table, np.arange(4))
+    per_token = torch.rand(batch["input_ids"].shape) * (batch["loss_mask"] != 0)
+    per_token[:, 0] = 0
+    supervised = int((batch["loss_mask"][:, 1:] != 0).sum())
+    batch["token_norm"] = torch.tensor(float(supervised))
+    expected = sum(float(batch["weight"][i]) * float(per_token[i].sum()) for i in range(4)) / supervised
+    assert float(token_sft_loss(per_token, batch)) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("normalization", ["token", "example"])
+def test_a_step_is_the_same_with_or_without_gradient_accumulation(tiny_model, token_table, tmp_path, normalization):
+    """The effective batch defines the loss: 4 rows in one micro-batch or in 2 x 2 give the same update. For token
+    normalisation this holds only because every micro-batch is divided by the whole step's token count (a per
+    micro-batch token mean would weigh the tokens of a short micro-batch more)."""
+    exported = {}
+    for micro in (4, 2):
+        cfg = TrainConfig(engine="ddp", micro_batch_size=micro, effective_batch_size=4, max_steps=1, lr=5e-2,
+                          num_workers=1, seed=5, loss_normalization=normalization)
+        job = SFTJob(token_table, tiny_model, str(tmp_path / f"m{micro}"), cfg, False, 1.0)
+        metrics = train_loop(job, LocalSession(str(tmp_path / f"ckpt{micro}")))
+        exported[micro] = (metrics["loss_per_step"][0], _weights(job.output_dir))
+    assert exported[4][0] == pytest.approx(exported[2][0], rel=1e-5)
+    # Adam's first step moves each weight by ~lr * sign(grad): a gradient differing in direction moves weights by
+    # ~0.1; rounding moves the rare near-zero-gradient weight by ~1e-4
+    for key, value in exported[4][1].items():
+        torch.testing.assert_close(value, exported[2][1][key], rtol=0, atol=1e-3)
+
+
+def test_token_and_example_normalisation_differ_on_rows_of_different_lengths(tiny_model, token_table, tmp_path):
+    losses = {}
+    for normalization in ("token", "example"):
+        cfg = TrainConfig(engine="ddp", micro_batch_size=4, effective_batch_size=4, max_steps=1, lr=5e-2,
+                          num_workers=1, seed=5, loss_normalization=normalization)
+        job = SFTJob(token_table, tiny_model, str(tmp_path / normalization), cfg, False, 1.0)
+        losses[normalization] = train_loop(job, LocalSession(str(tmp_path / f"c{normalization}")))["loss_per_step"][0]
+    assert losses["token"] != pytest.approx(losses["example"], rel=1e-4)

@@ -54,7 +54,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from raycurate.config.train import TrainConfig
-from raycurate.training.batches import LossFn, collate, load_token_table, sft_loss, to_device
+from raycurate.training.batches import (
+    LossFn,
+    collate,
+    load_token_table,
+    sft_loss,
+    supervised_counts,
+    to_device,
+    token_sft_loss,
+)
 from raycurate.training.checkpoint import save_checkpoint
 from raycurate.training.collectives import all_reduce_sum
 from raycurate.training.deepspeed_config import check_offload, grad_accum_steps
@@ -140,13 +148,28 @@ class RaySession:
         )
 
 
-def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -> dict[str, Any]:
+def step_token_norm(counts: Any, step_rows: Any) -> float:
+    """``token_norm`` of one optimizer step: its supervised tokens over the micro-batches its gradient averages.
+
+    Every rank holds the whole step's row indices, so each computes the same total without communicating.
+
+    Args:
+        counts: (N,) supervised targets per row (:func:`~raycurate.training.batches.supervised_counts`).
+        step_rows: (accum, world, micro) row indices of the step.
+    """
+    micro_batches = step_rows.shape[0] * step_rows.shape[1]
+    return max(1, int(counts[step_rows].sum())) / micro_batches
+
+
+def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn | None = None) -> dict[str, Any]:
     """The per-worker SFT loop: build, restore, train to ``total_steps``, checkpoint, export.
 
     Args:
         job: Inputs, outputs and config.
         session: Runtime (rank, world size, device, checkpoint restore/report).
-        loss_fn: ``(per_token (B, T), batch) -> ()`` loss of one micro-batch (see :data:`LossFn`).
+        loss_fn: ``(per_token (B, T), batch) -> ()`` loss of one micro-batch (see :data:`LossFn`); None: the one
+            ``train.loss_normalization`` names (per-row means, or :func:`token_sft_loss` with each batch's
+            ``token_norm``).
 
     Returns:
         The final metrics (same on every rank; rank 0 also writes them to ``output_dir``).
@@ -156,6 +179,9 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
     cfg, device = job.cfg, session.device
     torch.manual_seed(cfg.seed + session.rank)
     table = load_token_table(job.train_table)
+    by_token = loss_fn is None and cfg.loss_normalization == "token"
+    loss_fn = token_sft_loss if by_token else (loss_fn or sft_loss)
+    counts = supervised_counts(table) if by_token else None
     accum = grad_accum_steps(cfg, session.world_size)
     per_epoch = steps_per_epoch(len(table), cfg.effective_batch_size)
     run_steps = total_steps(len(table), cfg)
@@ -179,8 +205,11 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn = sft_loss) -
             schedule, schedule_epoch = micro_batch_rows(order, session.world_size, cfg.micro_batch_size, accum), epoch
         step_started, step_lr = time.perf_counter(), engine.lr()
         loss_sum, tokens, supervised = 0.0, 0, 0
+        norm = None if counts is None else step_token_norm(counts, schedule[step_in_epoch])
         for k in range(accum):
             batch = collate(table, schedule[step_in_epoch, k, session.rank], pad_id)
+            if norm is not None:
+                batch["token_norm"] = torch.tensor(norm, dtype=torch.float32)
             tokens += int(batch["attention_mask"].sum())
             supervised += int((batch["loss_mask"][:, 1:] != 0).sum())
             loss = engine.train_micro_batch(to_device(batch, device), loss_fn, is_boundary=k == accum - 1)

@@ -145,6 +145,30 @@ def batch_token_losses(model: Any, batch: dict[str, Any]) -> Any:
     return model_token_losses(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
 
 
+def supervised_counts(table: TokenTable) -> np.ndarray:
+    """(N,) supervised targets per row: nonzero ``loss_mask`` entries from position 1 on (position 0 has no
+    prediction), as :func:`batch_token_losses` counts them."""
+    supervised = (table.mask_values != 0).astype(np.int64)
+    starts = table.offsets[:-1]
+    return np.add.reduceat(supervised, starts) - supervised[starts]
+
+
+def token_sft_loss(per_token: Any, batch: dict[str, Any]) -> Any:
+    """Token-normalised loss (``train.loss_normalization=token``): ``sum_i w_i sum_t l_it / token_norm``.
+
+    ``batch["token_norm"]`` is the supervised-token count of the whole effective batch divided by the micro-steps
+    and ranks it is averaged over, so after that averaging every supervised token of the step weighs the same.
+
+    Args:
+        per_token: (B, T) per-position losses (0 where ``loss_mask`` is 0).
+        batch: Output of :func:`collate` plus ``token_norm`` () float, on the losses' device.
+
+    Returns:
+        () scalar loss.
+    """
+    return (per_token.sum(dim=1) * batch["weight"].to(per_token.dtype)).sum() / batch["token_norm"]
+
+
 def sft_loss(per_token: Any, batch: dict[str, Any]) -> Any:
     """Default loss: per-example masked mean token loss, weighted per example (``sum w_i l_i / B``).
 
