@@ -82,7 +82,7 @@ def job_path(sweep: SweepConfig, sweep_file: Path | None = None) -> Path:
 
 def sweep_problems(sweep: SweepConfig, sweep_file: Path | None = None) -> list[str]:
     """Everything wrong with a sweep, as messages that say what to change."""
-    from raycurate.config.schema import JobConfig
+    from raycurate.config.job import build_job_config
 
     problems = []
     job = job_path(sweep, sweep_file)
@@ -104,8 +104,8 @@ def sweep_problems(sweep: SweepConfig, sweep_file: Path | None = None) -> list[s
         if kind not in ("grid", "choice") and sweep.search == "grid":
             problems.append(f"params.{key} uses {kind}, which needs search: random (grid search enumerates lists)")
         try:
-            from_dict(JobConfig, apply_overrides(read_yaml(job), [*sweep.overrides, f"{key}={yaml_value(values[0])}"]),
-                      source=f"{job} + params.{key}")
+            build_job_config(job, overrides=[*sweep.overrides, f"{key}={yaml_value(values[0])}"],
+                             source=f"{job} + params.{key}")
         except ConfigError as err:
             problems.append(f"params.{key}: {err}")
     problems += reported_metric_problems(sweep.metric)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raycurate import storage
-from raycurate.config.loader import apply_overrides, dump_yaml, from_dict, read_yaml
+from raycurate.config.job import build_job_config
+from raycurate.config.loader import dump_yaml
 from raycurate.config.schema import JobConfig
 from raycurate.config.sweep import SweepConfig, job_path, yaml_value
 from raycurate.rundir import RunDir, atomic_write_text
@@ -42,8 +43,8 @@ def trial_overrides(sweep: SweepConfig, params: dict, rung: int | None, runs_dir
 
 
 def job_config(job: Path, overrides: list[str]) -> JobConfig:
-    """The typed job config of ``job`` with ``overrides``."""
-    return from_dict(JobConfig, apply_overrides(read_yaml(job), overrides), source=str(job))
+    """The typed job config of ``job`` with ``overrides`` (the CLI's and the API's route)."""
+    return build_job_config(job, overrides=overrides)
 
 
 def make_trial(sweep: SweepConfig, job: Path, runs_dir: str) -> Callable[[dict], None]:
