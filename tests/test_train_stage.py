@@ -703,6 +703,9 @@ def test_a_step_is_the_same_with_or_without_gradient_accumulation(tiny_model, to
         job = SFTJob(token_table, tiny_model, str(tmp_path / f"m{micro}"), cfg, False, 1.0)
         metrics = train_loop(job, LocalSession(str(tmp_path / f"ckpt{micro}")))
         exported[micro] = (metrics["loss_per_step"][0], _weights(job.output_dir))
+        table = load_token_table(token_table)
+        step_rows = epoch_order(len(table), 5, 0)[:4]
+        assert metrics["supervised_tokens"] == sum(int((table.row(int(i))[1][1:] != 0).sum()) for i in step_rows)
     assert exported[4][0] == pytest.approx(exported[2][0], rel=1e-5)
     # Adam's first step moves each weight by ~lr * sign(grad): a gradient differing in direction moves weights by
     # ~0.1; rounding moves the rare near-zero-gradient weight by ~1e-4

@@ -148,19 +148,6 @@ class RaySession:
         )
 
 
-def step_token_norm(counts: Any, step_rows: Any) -> float:
-    """``token_norm`` of one optimizer step: its supervised tokens over the micro-batches its gradient averages.
-
-    Every rank holds the whole step's row indices, so each computes the same total without communicating.
-
-    Args:
-        counts: (N,) supervised targets per row (:func:`~raycurate.training.batches.supervised_counts`).
-        step_rows: (accum, world, micro) row indices of the step.
-    """
-    micro_batches = step_rows.shape[0] * step_rows.shape[1]
-    return max(1, int(counts[step_rows].sum())) / micro_batches
-
-
 def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn | None = None) -> dict[str, Any]:
     """The per-worker SFT loop: build, restore, train to ``total_steps``, checkpoint, export.
 
@@ -181,7 +168,7 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn | None = None
     table = load_token_table(job.train_table)
     by_token = loss_fn is None and cfg.loss_normalization == "token"
     loss_fn = token_sft_loss if by_token else (loss_fn or sft_loss)
-    counts = supervised_counts(table) if by_token else None
+    counts = supervised_counts(table)  # (N,) supervised targets per row
     accum = grad_accum_steps(cfg, session.world_size)
     per_epoch = steps_per_epoch(len(table), cfg.effective_batch_size)
     run_steps = total_steps(len(table), cfg)
@@ -204,22 +191,24 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn | None = None
             order = epoch_order(len(table), cfg.seed, epoch)
             schedule, schedule_epoch = micro_batch_rows(order, session.world_size, cfg.micro_batch_size, accum), epoch
         step_started, step_lr = time.perf_counter(), engine.lr()
-        loss_sum, tokens, supervised = 0.0, 0, 0
-        norm = None if counts is None else step_token_norm(counts, schedule[step_in_epoch])
+        loss_sum, tokens = 0.0, 0
+        # every rank holds the whole step's (accum, world, micro) rows, so each knows its supervised total
+        supervised_total = int(counts[schedule[step_in_epoch]].sum())
+        # token_norm: the step's supervised tokens over the micro-batches its gradient is averaged over
+        norm = max(1, supervised_total) / (accum * session.world_size)
         for k in range(accum):
             batch = collate(table, schedule[step_in_epoch, k, session.rank], pad_id)
-            if norm is not None:
+            if by_token:
                 batch["token_norm"] = torch.tensor(norm, dtype=torch.float32)
             tokens += int(batch["attention_mask"].sum())
-            supervised += int((batch["loss_mask"][:, 1:] != 0).sum())
             loss = engine.train_micro_batch(to_device(batch, device), loss_fn, is_boundary=k == accum - 1)
             loss_sum += float(loss)
-        loss_total, tokens_total, supervised_total = all_reduce_sum([loss_sum, tokens, supervised], device)
+        loss_total, tokens_total = all_reduce_sum([loss_sum, tokens], device)
         state.step = step + 1
         state.loss_per_step.append(loss_total / (accum * session.world_size))
         state.lr_per_step.append(step_lr)
         state.tokens += int(tokens_total)
-        state.supervised_tokens += int(supervised_total)
+        state.supervised_tokens += supervised_total
         state.examples += cfg.effective_batch_size
         state.seconds += time.perf_counter() - step_started
         if session.rank == 0 and (state.step % cfg.log_every_steps == 0 or state.step == run_steps):
