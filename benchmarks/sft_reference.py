@@ -1,10 +1,10 @@
 """An independent LoRA SFT + greedy evaluation, to check the engine's numbers on a real model.
 
-It shares no code with raycurate's tokenizer, trainer or evaluator: it renders rows with the tokenizer's own chat
-template, trains PEFT LoRA with a plain PyTorch loop (AdamW, linear warmup then cosine, loss on response tokens
-only), generates greedily with ``model.generate`` and reads the answer after ``####`` with its own regex. Point it
-at a finished run directory and it compares its held-out exact match with the engine's predictions on the same
-questions (paired bootstrap CI of the difference).
+It shares no code with raycurate's tokenizer, trainer or evaluator (only the bootstrap CI): it renders rows with
+the tokenizer's own chat template, trains PEFT LoRA with a plain PyTorch loop (AdamW, linear warmup then cosine,
+loss on response tokens only), generates greedily with ``model.generate`` and reads the answer after ``####`` with
+its own regex. Point it at a finished run directory and it compares its held-out exact match with the engine's
+predictions on the same questions (paired bootstrap CI of the difference).
 
 Example:
     python benchmarks/sft_reference.py --run runs/real_proving_ground/seed-0 --arm mixed --questions 300
@@ -58,7 +58,8 @@ def encode_row(tok, system: str, row: dict, max_length: int) -> tuple[list[int],
 
 
 def _ids(encoded) -> list[int]:
-    return encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+    """``apply_chat_template(tokenize=True)`` returns ids, or a BatchEncoding holding them (transformers 5)."""
+    return encoded["input_ids"] if hasattr(encoded, "keys") else encoded
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -127,14 +128,6 @@ def final_answer(text: str) -> str | None:
     """The number after the first ``####`` (commas removed), or None."""
     match = ANSWER.search(text)
     return match.group(1).replace(",", "") if match else None
-
-
-def paired_ci(a: np.ndarray, b: np.ndarray, seed: int = 0, n: int = 2000) -> tuple[float, float]:
-    """95% paired bootstrap CI of mean(a - b)."""
-    rng = np.random.default_rng(seed)
-    d = a - b
-    means = d[rng.integers(0, len(d), size=(n, len(d)))].mean(axis=1)
-    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
 
 
 def training_rows(run: Path, arm: str) -> list[dict]:
@@ -230,9 +223,11 @@ def main() -> None:
 
         engine = {r["id"]: float(r["correct"]) for r in pq.read_table(engine_file).to_pylist()}
         theirs = np.array([engine[q["id"]] for q in questions])
-        lo, hi = paired_ci(ours, theirs)
-        diff = ours.mean() - theirs.mean()
-        line += f" engine_exact_match={theirs.mean():.3f} diff={diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+        from raycurate.algorithms.stats import paired_bootstrap_ci
+
+        diff = paired_bootstrap_ci(ours, theirs)
+        line += (f" engine_exact_match={theirs.mean():.3f} diff={diff.value:+.3f} "
+                 f"[{diff.low:+.3f}, {diff.high:+.3f}]")
     print(line)
 
 
