@@ -319,3 +319,33 @@ def test_answers_match():
     assert answers_match("7.0", "7") and answers_match(" 1,234. ", "1234") and answers_match("seven", "seven")
     assert not answers_match("8", "7") and not answers_match(None, "7") and not answers_match("", "")
     assert normalize_answer(" 12. ") == "12"
+
+
+def test_corruption_mix_apportions_each_domain_exactly_and_keeps_the_clean_rows():
+    mix = {"swapped_entity": 6, "wrong_intermediate_step": 3, "wrong_final_answer": 1, "off_topic": 1,
+           "truncated": 1, "unsafe": 1, "near_duplicate": 1}
+    rows = generate_corpus(1000, seed=0, corrupt_fraction=0.5, corruption_mix=mix)
+    by_domain = corpus_summary(rows)["by_domain"]
+    # math: 600 rows, 298 corrupted, weights sum 14 -> quotas 127.7 / 63.9 / 21.3 x5 -> largest remainder
+    math = {k: n for k, n in by_domain["math"].items() if k != "none"}
+    assert sum(math.values()) == 600 - by_domain["math"]["none"]
+    corrupted = sum(math.values())
+    quotas = {k: corrupted * w / 14 for k, w in mix.items()}
+    assert all(abs(math[k] - quotas[k]) < 1 for k in mix)
+    # instruction rows take only the kinds that apply to them, in equal shares here
+    assert set(by_domain["instruction"]) == {"none", "off_topic", "truncated", "unsafe", "near_duplicate"}
+    # the mix changes which corruption a row gets, never which rows are clean
+    balanced = generate_corpus(1000, seed=0, corrupt_fraction=0.5)
+    assert [r for r in rows if r["label"]["corruption"] == "none"] == \
+        [r for r in balanced if r["label"]["corruption"] == "none"]
+    assert generate_corpus(1000, seed=0, corrupt_fraction=0.5, corruption_mix=mix) == rows
+
+
+@pytest.mark.parametrize("mix, message", [
+    ({"swapped": 1.0}, "Unknown corruption kinds ['swapped']"),
+    ({"swapped_entity": -1.0, "off_topic": 1.0}, "finite numbers >= 0"),
+    ({"swapped_entity": 1.0}, "no weight to any corruption of the code domain"),
+])
+def test_corruption_mix_errors_name_the_problem(mix, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        generate_corpus(200, seed=0, corrupt_fraction=0.5, corruption_mix=mix)

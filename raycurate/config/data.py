@@ -38,6 +38,10 @@ class DataConfig:
     corpus_seed: int = option(0, "Seed of the embedded corpus generator.")
     corrupt_fraction: float = option(0.3, "Fraction of embedded-corpus responses that are corrupted (and labelled).",
                                      ge=0, le=1)
+    corruption_mix: dict[str, float] = option(
+        {}, "Relative weight per corruption kind of the embedded corpus (wrong_final_answer, wrong_intermediate_step, "
+        "swapped_entity, off_topic, truncated, unsafe, near_duplicate); each domain's corrupted rows are apportioned "
+        "exactly over the kinds that apply to it. Empty = balanced kinds (every applicable kind equally often).")
     corpus_bad_lines: int = option(
         8, "Malformed/invalid lines appended to the embedded corpus so the demo exercises rejection (0 = none).", ge=0
     )
@@ -55,6 +59,12 @@ class DataConfig:
             check_ratios(self.split_ratios)
         except ValueError as exc:
             return [f"data.split_ratios: {exc}"]
+        from raycurate.data.corpus.corruptions import check_corruption_mix
+
+        try:
+            check_corruption_mix(self.corruption_mix)
+        except ValueError as exc:
+            return [f"data.corruption_mix: {exc}"]
         return []
 
     def input_paths(self) -> list[str]:

@@ -62,7 +62,8 @@ def check_split_sizes(cfg: JobConfig) -> None:
     batch = cfg.train.effective_batch_size
     seeds = cfg.proving_ground.seeds if cfg.pipeline == "proving_ground" else [cfg.data.corpus_seed]
     for seed in seeds:
-        rows = generate_corpus(cfg.data.corpus_rows, seed=seed, corrupt_fraction=cfg.data.corrupt_fraction)
+        rows = generate_corpus(cfg.data.corpus_rows, seed=seed, corrupt_fraction=cfg.data.corrupt_fraction,
+                               corruption_mix=cfg.data.corruption_mix or None)
         warmup = sum(assign(row["id"]) == "warmup" for row in rows)
         if warmup < batch:
             raise ConfigError("the job config", [
@@ -114,7 +115,7 @@ def prepare_data(run: RunDir, cfg: JobConfig) -> dict:
         records["corpus"] = corpus_stage(
             run, rows=cfg.data.corpus_rows, seed=cfg.data.corpus_seed, corrupt_fraction=cfg.data.corrupt_fraction,
             heldout_rows=cfg.data.heldout_rows, bad_lines=cfg.data.corpus_bad_lines,
-            validation_questions=cfg.data.validation_questions,
+            validation_questions=cfg.data.validation_questions, corruption_mix=cfg.data.corruption_mix,
         )
         inputs = [str(run.root / records["corpus"]["outputs"]["corpus"])]
         upstream = ["corpus"]

@@ -20,7 +20,8 @@ TOKEN_COLUMNS = ("input_ids", "prompt_len", "loss_mask", "weight", "prompt_offse
 
 
 def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, heldout_rows: int,
-                 bad_lines: int = 0, validation_questions: int = 0, force: bool = False) -> dict:
+                 bad_lines: int = 0, validation_questions: int = 0, corruption_mix: dict[str, float] | None = None,
+                 force: bool = False) -> dict:
     """Generate the embedded benchmark corpus (+ ``bad_lines`` invalid lines), its held-out set and (when
     ``validation_questions`` > 0) its validation questions as jsonl."""
     from raycurate.data.corpus import (
@@ -33,7 +34,8 @@ def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, 
     )
 
     def body(out: Path) -> StageOutput:
-        corpus = generate_corpus(rows, seed=seed, corrupt_fraction=corrupt_fraction)
+        corpus = generate_corpus(rows, seed=seed, corrupt_fraction=corrupt_fraction,
+                                 corruption_mix=corruption_mix or None)
         heldout = generate_heldout(heldout_rows, seed=seed)
         write_jsonl(corpus, out / "corpus.jsonl")
         with open(out / "corpus.jsonl", "ab") as fh:  # the stage folder itself is published atomically
@@ -53,6 +55,8 @@ def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, 
               "bad_lines": bad_lines}
     if validation_questions:  # only when asked, so the runs from before the option keep their hashes
         config["validation_questions"] = validation_questions
+    if corruption_mix:  # likewise: the balanced default keeps the old hashes
+        config["corruption_mix"] = dict(sorted(corruption_mix.items()))
     return run_stage(run, "corpus", body, config=config, force=force)
 
 

@@ -17,6 +17,7 @@ def generate_corpus(
     seed: int,
     corrupt_fraction: float = 0.3,
     domain_weights: dict[str, float] | None = None,
+    corruption_mix: dict[str, float] | None = None,
 ) -> list[dict]:
     """Generate the labelled benchmark corpus.
 
@@ -33,6 +34,9 @@ def generate_corpus(
         corrupt_fraction: Fraction of rows to corrupt, in [0, 1].
         domain_weights: Relative weight per domain (keys among ``DOMAINS``); default math 0.6, code 0.2,
             instruction 0.2.
+        corruption_mix: Relative weight per corruption kind (keys among ``CORRUPTION_KINDS``); each domain's
+            corrupted rows are apportioned exactly over its applicable kinds by these weights. Default (None):
+            balanced kinds, as above.
 
     Returns:
         ``n_rows`` row dicts with ids ``bench-000001`` ... in the schema of :mod:`raycurate.data.corpus`.
@@ -46,7 +50,7 @@ def generate_corpus(
     seen_prompts: set[str] = set()
     tasks = [unseen_clean_task(domain, rng, seen_prompts) for domain in domains]
     corrupted = sorted(rng.sample(range(n_rows), num_corrupted(n_rows, corrupt_fraction)))
-    kinds = assign_corruptions(corrupted, domains, rng)
+    kinds = assign_corruptions(corrupted, domains, rng, corruption_mix)
     ids = [f"bench-{i + 1:06d}" for i in range(n_rows)]
     clean_by_domain: dict[str, list[int]] = {domain: [] for domain in DOMAINS}
     for i, domain in enumerate(domains):

@@ -8,7 +8,7 @@ import math
 import random
 
 from raycurate.data.corpus.code_tasks import CodeTask, wrong_code_return
-from raycurate.data.corpus.domains import DOMAINS, clean_task
+from raycurate.data.corpus.domains import DOMAINS, clean_task, largest_remainder_counts
 from raycurate.data.corpus.math_tasks import (
     CORPUS_NAMES,
     MathProblem,
@@ -45,17 +45,58 @@ def num_corrupted(n_rows: int, corrupt_fraction: float) -> int:
     return min(n_rows, int(math.floor(corrupt_fraction * n_rows + 0.5)))
 
 
-def assign_corruptions(corrupted: list[int], domains: list[str], rng: random.Random) -> dict[int, str]:
-    """Map each corrupted row index to a kind, cycling through the domain's kinds in a shuffled order."""
+def assign_corruptions(corrupted: list[int], domains: list[str], rng: random.Random,
+                        mix: dict[str, float] | None = None) -> dict[int, str]:
+    """Map each corrupted row index to a kind.
+
+    Without ``mix`` the kinds are balanced: each domain's corrupted rows cycle through its kinds in a shuffled
+    order. With ``mix`` (kind -> relative weight) each domain's corrupted rows are apportioned exactly, by largest
+    remainder, over the kinds that apply to it in proportion to their weights, then shuffled.
+
+    Raises:
+        ValueError: ``mix`` names an unknown kind, has a negative weight, or gives no weight to any kind that
+            applies to a domain with corrupted rows.
+    """
+    check_corruption_mix(mix)
     kinds: dict[int, str] = {}
     for domain in DOMAINS:
         rows = [i for i in corrupted if domains[i] == domain]
         has_clean_row = domains.count(domain) > len(rows)
         applicable = [k for k in CORRUPTIONS_BY_DOMAIN[domain] if k != "near_duplicate" or has_clean_row]
-        rng.shuffle(applicable)
-        rng.shuffle(rows)
-        for position, i in enumerate(rows):
-            kinds[i] = applicable[position % len(applicable)]
+        if mix is None:
+            rng.shuffle(applicable)
+            rng.shuffle(rows)
+            for position, i in enumerate(rows):
+                kinds[i] = applicable[position % len(applicable)]
+        elif rows:
+            kinds.update(zip(rows, _mixed_kinds(len(rows), domain, applicable, mix, rng)))
+    return kinds
+
+
+def check_corruption_mix(mix: dict[str, float] | None) -> None:
+    """Raise ValueError naming the problem if ``mix`` has an unknown kind or a negative or non-finite weight."""
+    if mix is None:
+        return
+    unknown = sorted(set(mix) - set(CORRUPTION_KINDS))
+    if unknown:
+        raise ValueError(f"Unknown corruption kinds {unknown} in the corruption mix; use keys among "
+                         f"{list(CORRUPTION_KINDS)}.")
+    bad = {k: w for k, w in mix.items() if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0)}
+    if bad:
+        raise ValueError(f"Corruption mix weights must be finite numbers >= 0, got {bad}.")
+
+
+def _mixed_kinds(n: int, domain: str, applicable: list[str], mix: dict[str, float], rng: random.Random,
+                 ) -> list[str]:
+    """``n`` kinds for ``domain``'s corrupted rows, apportioned over ``applicable`` by ``mix``, shuffled."""
+    weights = {k: float(mix.get(k, 0.0)) for k in applicable}
+    total = sum(weights.values())
+    if total <= 0:
+        raise ValueError(f"The corruption mix gives no weight to any corruption of the {domain} domain "
+                         f"({', '.join(applicable)}), which has {n} corrupted rows; give one of them a weight.")
+    counts = largest_remainder_counts(n, {k: w / total for k, w in weights.items()}, tuple(applicable))
+    kinds = [k for k in applicable for _ in range(counts[k])]
+    rng.shuffle(kinds)
     return kinds
 
 

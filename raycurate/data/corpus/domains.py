@@ -50,13 +50,20 @@ def normalized_weights(domain_weights: dict[str, float] | None) -> dict[str, flo
     return {domain: weights.get(domain, 0.0) / total for domain in DOMAINS}
 
 
+def largest_remainder_counts(n: int, shares: dict[str, float], order: tuple[str, ...]) -> dict[str, int]:
+    """Split ``n`` into integer counts proportional to ``shares`` (summing to 1 over ``order``), by largest
+    remainder; ties go to the key earlier in ``order``. The counts sum to ``n`` exactly."""
+    quotas = {key: shares.get(key, 0.0) * n for key in order}
+    counts = {key: int(math.floor(q)) for key, q in quotas.items()}
+    by_remainder = sorted(order, key=lambda k: (-(quotas[k] - counts[k]), order.index(k)))
+    for key in by_remainder[: n - sum(counts.values())]:
+        counts[key] += 1
+    return counts
+
+
 def assign_domains(n_rows: int, weights: dict[str, float], rng: random.Random) -> list[str]:
     """Exact per-domain counts by largest remainder, in shuffled order."""
-    quotas = {domain: weights.get(domain, 0.0) * n_rows for domain in DOMAINS}
-    counts = {domain: int(math.floor(q)) for domain, q in quotas.items()}
-    by_remainder = sorted(DOMAINS, key=lambda d: (-(quotas[d] - counts[d]), DOMAINS.index(d)))
-    for domain in by_remainder[: n_rows - sum(counts.values())]:
-        counts[domain] += 1
+    counts = largest_remainder_counts(n_rows, weights, DOMAINS)
     domains = [domain for domain in DOMAINS for _ in range(counts[domain])]
     rng.shuffle(domains)
     return domains
