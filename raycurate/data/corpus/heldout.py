@@ -7,7 +7,7 @@ import random
 
 from raycurate.data.corpus.domains import clean_task
 from raycurate.data.corpus.math_tasks import HELDOUT_NAMES
-from raycurate.data.corpus.rows import make_row
+from raycurate.data.corpus.rows import Task, make_row
 
 
 def generate_heldout(n_rows: int, seed: int) -> list[dict]:
@@ -23,11 +23,14 @@ def generate_heldout(n_rows: int, seed: int) -> list[dict]:
     Returns:
         Rows in the corpus schema with ids ``heldout-000001`` ..., all clean.
     """
+    return [make_row(f"heldout-{i + 1:06d}", task, "none", task.response)
+            for i, task in enumerate(heldout_tasks(n_rows, seed))]
+
+
+def heldout_tasks(n_rows: int, seed: int) -> list[Task]:
+    """The tasks behind :func:`generate_heldout`'s rows, in order (for analyses that need the math problem)."""
     rng = random.Random(f"raycurate.heldout:{seed}")
-    return [
-        make_row(f"heldout-{i + 1:06d}", task, "none", task.response)
-        for i, task in enumerate(clean_task("math", rng, HELDOUT_NAMES) for _ in range(n_rows))
-    ]
+    return [clean_task("math", rng, HELDOUT_NAMES) for _ in range(n_rows)]
 
 
 def generate_validation_questions(n_rows: int, seed: int, exclude_prompts: set[str] | frozenset[str] = frozenset(),
@@ -46,13 +49,19 @@ def generate_validation_questions(n_rows: int, seed: int, exclude_prompts: set[s
     Returns:
         Rows in the corpus schema with ids ``validation-000001`` ..., all clean.
     """
+    return [make_row(f"validation-{i + 1:06d}", task, "none", task.response)
+            for i, task in enumerate(validation_tasks(n_rows, seed, exclude_prompts))]
+
+
+def validation_tasks(n_rows: int, seed: int, exclude_prompts: set[str] | frozenset[str] = frozenset()) -> list[Task]:
+    """The tasks behind :func:`generate_validation_questions`'s rows, in order."""
     rng = random.Random(f"raycurate.validation:{seed}")
-    rows: list[dict] = []
+    tasks: list[Task] = []
     seen = set(exclude_prompts)
-    while len(rows) < n_rows:
+    while len(tasks) < n_rows:
         task = clean_task("math", rng, HELDOUT_NAMES)
-        row = make_row(f"validation-{len(rows) + 1:06d}", task, "none", task.response)
-        if row["prompt"] not in seen:
-            seen.add(row["prompt"])
-            rows.append(row)
-    return rows
+        prompt = make_row("", task, "none", task.response)["prompt"]
+        if prompt not in seen:
+            seen.add(prompt)
+            tasks.append(task)
+    return tasks
