@@ -349,3 +349,19 @@ def test_corruption_mix_apportions_each_domain_exactly_and_keeps_the_clean_rows(
 def test_corruption_mix_errors_name_the_problem(mix, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         generate_corpus(200, seed=0, corrupt_fraction=0.5, corruption_mix=mix)
+
+
+def test_corpus_stage_keys_and_summarises_the_corruption_mix(tmp_path):
+    from raycurate.rundir import RunDir
+    from raycurate.stages.data_stages import corpus_stage
+
+    balanced = corpus_stage(RunDir(tmp_path / "a"), rows=60, seed=0, corrupt_fraction=0.5, heldout_rows=2)
+    same = corpus_stage(RunDir(tmp_path / "b"), rows=60, seed=0, corrupt_fraction=0.5, heldout_rows=2,
+                        corruption_mix={})
+    mixed = corpus_stage(RunDir(tmp_path / "c"), rows=60, seed=0, corrupt_fraction=0.5, heldout_rows=2,
+                         corruption_mix={"swapped_entity": 1, "off_topic": 1})
+    assert same["config_hash"] == balanced["config_hash"] != mixed["config_hash"]
+    by_domain = mixed["metrics"]["summary"]["by_domain"]
+    # equal weights: math's corrupted rows split in halves; code and instruction have only off_topic of the two
+    assert by_domain["math"]["swapped_entity"] == by_domain["math"]["off_topic"] > 0
+    assert set(by_domain["code"]) == set(by_domain["instruction"]) == {"none", "off_topic"}
