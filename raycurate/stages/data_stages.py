@@ -51,8 +51,8 @@ def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, 
             metrics["validation_questions"] = validation_questions
         return StageOutput(outputs=outputs, metrics=metrics)
 
-    config: dict[str, Any] = {"rows": rows, "seed": seed, "corrupt_fraction": corrupt_fraction, "heldout_rows": heldout_rows,
-              "bad_lines": bad_lines}
+    config: dict[str, Any] = {"rows": rows, "seed": seed, "corrupt_fraction": corrupt_fraction,
+                              "heldout_rows": heldout_rows, "bad_lines": bad_lines}
     if validation_questions:  # only when asked, so the runs from before the option keep their hashes
         config["validation_questions"] = validation_questions
     if corruption_mix:  # likewise: the balanced default keeps the old hashes
