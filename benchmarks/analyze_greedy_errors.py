@@ -23,13 +23,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import yaml
 
+from raycurate.data.answers import answers_match, extract_final_answer
 from raycurate.data.corpus.heldout import generate_heldout, heldout_tasks, validation_tasks
 from raycurate.data.corpus.math_tasks import MathProblem, swapped_entity_response
 
 ERROR_KINDS = ("swapped_entity", "no_final", "arithmetic", "other")
 
 
-def swapped_answers(run_dir: Path) -> tuple[str, dict[str, str]]:
+def swapped_answers(run_dir: Path) -> tuple[str, dict[str, str | None]]:
     """The evaluated split and each question id's swapped-entity final answer, from the run's saved config."""
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     data, split = cfg["data"], cfg["eval"].get("split", "heldout")
@@ -38,16 +39,16 @@ def swapped_answers(run_dir: Path) -> tuple[str, dict[str, str]]:
         tasks, prefix = validation_tasks(data["validation_questions"], data["corpus_seed"], exclude), "validation"
     else:
         tasks, prefix = heldout_tasks(data["heldout_rows"], data["corpus_seed"]), "heldout"
-    answers = {}
+    answers: dict[str, str | None] = {}
     for i, task in enumerate(tasks):
         assert isinstance(task.math, MathProblem)
-        answers[f"{prefix}-{i + 1:06d}"] = swapped_entity_response(task.math).rsplit("####", 1)[-1].strip()
+        answers[f"{prefix}-{i + 1:06d}"] = extract_final_answer(swapped_entity_response(task.math))
     return split, answers
 
 
-def error_kind(row: dict, swapped: str) -> str:
+def error_kind(row: dict, swapped: str | None) -> str:
     """The first error kind that fits one wrong greedy answer (a predictions.parquet row)."""
-    if row["predicted_answer"] == swapped:
+    if row["has_final_answer"] and answers_match(row["predicted_answer"], swapped):
         return "swapped_entity"
     if not row["has_final_answer"]:
         return "no_final"
@@ -56,7 +57,7 @@ def error_kind(row: dict, swapped: str) -> str:
     return "other"
 
 
-def arm_errors(predictions: Path, swapped: dict[str, str]) -> dict[str, float]:
+def arm_errors(predictions: Path, swapped: dict[str, str | None]) -> dict[str, float]:
     """Greedy / sampled exact match and the share of questions per error kind for one arm."""
     rows = pq.read_table(predictions).to_pylist()
     counts = dict.fromkeys(ERROR_KINDS, 0)

@@ -63,7 +63,7 @@ def check_split_sizes(cfg: JobConfig) -> None:
     seeds = cfg.proving_ground.seeds if cfg.pipeline == "proving_ground" else [cfg.data.corpus_seed]
     for seed in seeds:
         rows = generate_corpus(cfg.data.corpus_rows, seed=seed, corrupt_fraction=cfg.data.corrupt_fraction,
-                               corruption_mix=cfg.data.corruption_mix or None)
+                               corruption_mix=cfg.data.corruption_mix)
         warmup = sum(assign(row["id"]) == "warmup" for row in rows)
         if warmup < batch:
             raise ConfigError("the job config", [

@@ -34,8 +34,7 @@ def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, 
     )
 
     def body(out: Path) -> StageOutput:
-        corpus = generate_corpus(rows, seed=seed, corrupt_fraction=corrupt_fraction,
-                                 corruption_mix=corruption_mix or None)
+        corpus = generate_corpus(rows, seed=seed, corrupt_fraction=corrupt_fraction, corruption_mix=corruption_mix)
         heldout = generate_heldout(heldout_rows, seed=seed)
         write_jsonl(corpus, out / "corpus.jsonl")
         with open(out / "corpus.jsonl", "ab") as fh:  # the stage folder itself is published atomically

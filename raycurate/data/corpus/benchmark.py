@@ -35,7 +35,7 @@ def generate_corpus(
         domain_weights: Relative weight per domain (keys among ``DOMAINS``); default math 0.6, code 0.2,
             instruction 0.2.
         corruption_mix: Relative weight per corruption kind (keys among ``CORRUPTION_KINDS``); each domain's
-            corrupted rows are apportioned exactly over its applicable kinds by these weights. Default (None):
+            corrupted rows are apportioned exactly over its applicable kinds by these weights. Default (None or empty):
             balanced kinds, as above.
 
     Returns:

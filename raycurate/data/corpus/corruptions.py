@@ -49,9 +49,9 @@ def assign_corruptions(corrupted: list[int], domains: list[str], rng: random.Ran
                         mix: dict[str, float] | None = None) -> dict[int, str]:
     """Map each corrupted row index to a kind.
 
-    Without ``mix`` the kinds are balanced: each domain's corrupted rows cycle through its kinds in a shuffled
-    order. With ``mix`` (kind -> relative weight) each domain's corrupted rows are apportioned exactly, by largest
-    remainder, over the kinds that apply to it in proportion to their weights, then shuffled.
+    Without ``mix`` (None or empty) the kinds are balanced: each domain's corrupted rows cycle through its kinds
+    in a shuffled order. With ``mix`` (kind -> relative weight) each domain's corrupted rows are apportioned
+    exactly, by largest remainder, over the kinds that apply to it in proportion to their weights, then shuffled.
 
     Raises:
         ValueError: ``mix`` names an unknown kind, has a negative weight, or gives no weight to any kind that
@@ -63,7 +63,7 @@ def assign_corruptions(corrupted: list[int], domains: list[str], rng: random.Ran
         rows = [i for i in corrupted if domains[i] == domain]
         has_clean_row = domains.count(domain) > len(rows)
         applicable = [k for k in CORRUPTIONS_BY_DOMAIN[domain] if k != "near_duplicate" or has_clean_row]
-        if mix is None:
+        if not mix:
             rng.shuffle(applicable)
             rng.shuffle(rows)
             for position, i in enumerate(rows):

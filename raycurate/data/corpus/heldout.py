@@ -7,7 +7,7 @@ import random
 
 from raycurate.data.corpus.domains import clean_task
 from raycurate.data.corpus.math_tasks import HELDOUT_NAMES
-from raycurate.data.corpus.rows import Task, make_row
+from raycurate.data.corpus.rows import Task, make_row, render_prompt
 
 
 def generate_heldout(n_rows: int, seed: int) -> list[dict]:
@@ -60,7 +60,7 @@ def validation_tasks(n_rows: int, seed: int, exclude_prompts: set[str] | frozens
     seen = set(exclude_prompts)
     while len(tasks) < n_rows:
         task = clean_task("math", rng, HELDOUT_NAMES)
-        prompt = make_row("", task, "none", task.response)["prompt"]
+        prompt = render_prompt(task.sentences)[0]
         if prompt not in seen:
             seen.add(prompt)
             tasks.append(task)
