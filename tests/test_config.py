@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,13 @@ def test_proving_ground_job_is_the_demo_over_seeds():
     assert job["run"].pop("name") == "proving_ground"
     demo.pop("pipeline"), demo["run"].pop("name")
     assert job == demo  # keep the two in step: the proving ground must measure what the demo runs
+
+
+@pytest.mark.parametrize("mix, message", [
+    ({"swapped": 1}, "data.corruption_mix: Unknown corruption kinds ['swapped']"),
+    ({"swapped_entity": 1}, "data.corruption_mix: The corruption mix gives no weight to any corruption of the code "
+                            "domain"),
+])
+def test_a_bad_corruption_mix_is_a_config_problem_before_anything_runs(mix, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        from_dict(JobConfig, {"data": {"corruption_mix": mix}})

@@ -60,9 +60,10 @@ class DataConfig:
         except ValueError as exc:
             return [f"data.split_ratios: {exc}"]
         from raycurate.data.corpus.corruptions import check_corruption_mix
+        from raycurate.data.corpus.domains import DOMAINS
 
         try:
-            check_corruption_mix(self.corruption_mix)
+            check_corruption_mix(self.corruption_mix, DOMAINS)
         except ValueError as exc:
             return [f"data.corruption_mix: {exc}"]
         return []

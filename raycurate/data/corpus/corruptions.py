@@ -73,9 +73,10 @@ def assign_corruptions(corrupted: list[int], domains: list[str], rng: random.Ran
     return kinds
 
 
-def check_corruption_mix(mix: dict[str, float] | None) -> None:
-    """Raise ValueError naming the problem if ``mix`` has an unknown kind or a negative or non-finite weight."""
-    if mix is None:
+def check_corruption_mix(mix: dict[str, float] | None, domains: tuple[str, ...] = ()) -> None:
+    """Raise ValueError naming the problem if ``mix`` has an unknown kind, a negative or non-finite weight, or (when
+    non-empty) no positive weight on any kind that applies to one of ``domains``."""
+    if not mix:
         return
     unknown = sorted(set(mix) - set(CORRUPTION_KINDS))
     if unknown:
@@ -84,6 +85,10 @@ def check_corruption_mix(mix: dict[str, float] | None) -> None:
     bad = {k: w for k, w in mix.items() if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0)}
     if bad:
         raise ValueError(f"Corruption mix weights must be finite numbers >= 0, got {bad}.")
+    for domain in domains:
+        if not any(mix.get(kind, 0) > 0 for kind in CORRUPTIONS_BY_DOMAIN[domain]):
+            raise ValueError(f"The corruption mix gives no weight to any corruption of the {domain} domain; give one "
+                             f"of {', '.join(CORRUPTIONS_BY_DOMAIN[domain])} a weight.")
 
 
 def _mixed_kinds(n: int, domain: str, applicable: list[str], mix: dict[str, float], rng: random.Random,
