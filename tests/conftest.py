@@ -8,6 +8,9 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests start their own local Ray; a RAY_ADDRESS in the caller's environment (a CI runner inside a Ray job, a
+# shell after `ray start`) would make every init_ray(num_cpus=...) join that cluster instead.
+os.environ.pop("RAY_ADDRESS", None)
 
 
 def _has_cuda() -> bool:

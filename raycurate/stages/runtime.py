@@ -3,10 +3,12 @@
 Decisions (documented in ``docs/ray.md``):
 
 * ``init_ray(address=None)`` starts a local Ray instance (dashboard off) or connects to ``address``
-  (``"auto"`` inside a ``ray job submit`` job).  Token authentication stays at Ray's default: a local cluster
-  uses token mode and Ray keeps the token at ``~/.ray/auth_token`` (or ``$RAY_AUTH_TOKEN_PATH``).  Never disable
-  it (``RAY_AUTH_MODE=disabled``) on a reachable machine unless a firewall keeps Ray's ports private
-  (``docs/ray.md``).
+  (``"auto"`` inside a ``ray job submit`` job).  ``None`` passes ``address="local"`` to Ray: Ray's own ``None``
+  joins whatever ``/tmp/ray/ray_current_cluster`` names (a ``ray start`` left running, or a stale file), and
+  then refuses ``num_cpus`` with a ValueError.  ``$RAY_ADDRESS`` still wins, as Ray's convention has it.
+  Token authentication stays at Ray's default: a local cluster uses token mode and Ray keeps the token at
+  ``~/.ray/auth_token`` (or ``$RAY_AUTH_TOKEN_PATH``).  Never disable it (``RAY_AUTH_MODE=disabled``) on a
+  reachable machine unless a firewall keeps Ray's ports private (``docs/ray.md``).
 * Ray's session files go to ``temp_dir`` when given, else Ray's default ``/tmp/ray``.
 * Actor pools never ask for a whole CPU per actor on small machines: on a 2-CPU node an actor pool of
   1-CPU actors starves the read tasks and the pipeline deadlocks.  :func:`actor_cpus` hands out fractions that keep
@@ -38,7 +40,8 @@ def init_ray(
     """Start (or connect to) Ray once per process.
 
     Args:
-        address: ``None`` starts a local instance; ``"auto"`` or ``"ray://host:port"`` connects to a cluster.
+        address: ``None`` starts a local instance (or joins ``$RAY_ADDRESS`` when set); ``"auto"`` or
+            ``"ray://host:port"`` connects to a cluster.
         num_cpus: CPUs for a local instance (default: all cores).
         temp_dir: Ray session directory for a local instance (default ``/tmp/ray``).
         object_store_memory: Object store size in bytes for a local instance.
@@ -67,7 +70,12 @@ def init_ray(
         "runtime_env": {"env_vars": _worker_env()},
         "ignore_reinit_error": True,
     }
+    if address is None and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]
+        _warn_local_options_ignored(address, num_cpus=num_cpus, temp_dir=temp_dir,
+                                    object_store_memory=object_store_memory, spill_dir=spill_dir)
     if address is None:
+        kwargs["address"] = "local"
         if num_cpus is not None:
             kwargs["num_cpus"] = num_cpus
         if temp_dir is not None:
@@ -83,6 +91,17 @@ def init_ray(
         kwargs["address"] = address
     ray.init(**kwargs)
     return ray
+
+
+def _warn_local_options_ignored(address: str, **options: Any) -> None:
+    """Say which local-instance options do not apply because ``$RAY_ADDRESS`` names a cluster to join."""
+    given = sorted(name for name, value in options.items() if value is not None)
+    if given:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "RAY_ADDRESS=%s: joining that cluster, so %s (local-instance options) are ignored; unset RAY_ADDRESS "
+            "to start a local Ray instead", address, ", ".join(given))
 
 
 def cluster_cpus() -> float:
