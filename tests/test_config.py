@@ -130,3 +130,26 @@ def test_proving_ground_job_is_the_demo_over_seeds():
 def test_a_bad_corruption_mix_is_a_config_problem_before_anything_runs(mix, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         from_dict(JobConfig, {"data": {"corruption_mix": mix}})
+
+
+def test_runtime_only_train_settings_leave_the_stage_hash_and_result_settings_do_not():
+    """threads, CPU reservations, retries and logging change speed, not the model: a re-run with other threads must
+    reuse the finished stage (it re-trained seed 0's train_mixed for 10 min in #25) and resume a killed one."""
+    import dataclasses
+    import hashlib
+    import json
+
+    from raycurate.config.loader import to_dict
+    from raycurate.config.train import TrainConfig
+
+    base = TrainConfig()
+    runtime = dataclasses.replace(base, threads_per_worker=1, cpus_per_worker=0.5, max_failures=3,
+                                  log_every_steps=1, keep_checkpoints=5)
+    assert config_hash(runtime, [("tokenize", "ab")]) == config_hash(base, [("tokenize", "ab")])
+    assert config_hash(dataclasses.replace(base, lr=base.lr * 2)) != config_hash(base)
+    assert config_hash({"stage": runtime}) == config_hash({"stage": base})  # nested, as train_stage hashes it
+    # a config that sets none of them hashes as before the flag existed (finished runs stay current)
+    old = hashlib.sha256(json.dumps([to_dict(base)], sort_keys=True, default=str).encode()).hexdigest()[:16]
+    assert config_hash(base) == old
+    flagged = {f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("runtime_only")}
+    assert flagged == {"threads_per_worker", "cpus_per_worker", "max_failures", "log_every_steps", "keep_checkpoints"}

@@ -23,6 +23,7 @@ def option(
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
+    runtime_only: bool = False,
 ) -> Any:
     """Declare a config field with a description and optional allowed values.
 
@@ -33,6 +34,9 @@ def option(
         items: For a list field: the allowed item values (a sequence, named in errors), or a predicate that says
             whether one item is allowed (its docstring's first line names the allowed values in errors).
         ge / gt / le / lt: Bounds of a number field (``None`` values of an optional field are not checked).
+        runtime_only: The field changes how fast or how robustly a stage runs, never what it produces (threads,
+            CPU reservations, retries, logging): stage hashes see its default instead of its value, so changing it
+            neither re-runs a finished stage nor orphans a killed training's checkpoints.
 
     Returns:
         A ``dataclasses.field`` carrying ``help``, ``choices``, ``items`` and ``bounds`` in its metadata.
@@ -40,7 +44,7 @@ def option(
     bounds = {name: value for name, value in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if value is not None}
     items = tuple(items) if items is not None and not callable(items) else items
     metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "items": items,
-                "bounds": bounds}
+                "bounds": bounds, "runtime_only": runtime_only}
     if isinstance(default, (list, dict, set)) or dataclasses.is_dataclass(default):
         return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

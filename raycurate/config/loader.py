@@ -309,9 +309,29 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def result_view(obj: Any) -> Any:
+    """:func:`to_dict`, with every ``runtime_only`` field (:func:`raycurate.config.base.option`) at its default:
+    what a stage's result depends on.  Defaults rather than omission keep the hashes of configs that never set
+    one."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: result_view(_default_of(f) if f.metadata.get("runtime_only") else getattr(obj, f.name))
+                for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [result_view(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: result_view(v) for k, v in obj.items()}
+    return obj
+
+
+def _default_of(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    return field.default_factory()  # type: ignore[operator]
+
+
 def config_hash(*parts: Any) -> str:
-    """Stable short hash of config sections (dataclasses or plain data)."""
-    blob = json.dumps([to_dict(p) for p in parts], sort_keys=True, default=str)
+    """Stable short hash of config sections (dataclasses or plain data), blind to ``runtime_only`` fields."""
+    blob = json.dumps([result_view(p) for p in parts], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -38,14 +38,15 @@ class TrainConfig:
         choices=LAUNCHERS,
     )
     cpus_per_worker: float | None = option(
-        None, "CPUs reserved per worker; null sizes it from the cluster so the pool fits beside the driver.", gt=0
-    )
+        None, "CPUs reserved per worker; null sizes it from the cluster so the pool fits beside the driver.", gt=0,
+        runtime_only=True)
     threads_per_worker: int | None = option(
         None, "torch CPU threads per worker: null = its reserved CPUs (at least 1); 0 = the node's idle cores when the "
         "worker starts (cores minus the 1-minute load average, at least 1), for jobs that train one stage at a time "
         "on one machine (the laptop demo: 1.8x faster steps on 2 idle cores than 1 thread; more threads than idle "
-        "cores collapse on shared cores); Ray's reservation stays cpus_per_worker either way.", ge=0
-    )
+        "cores collapse on shared cores); Ray's reservation stays cpus_per_worker either way. Not in the stage "
+        "hash: changing it neither re-trains a finished stage nor restarts a killed one from step 0.", ge=0,
+        runtime_only=True)
     use_gpu: bool | None = option(None, "Train on GPUs (one per worker); null = yes iff the Ray cluster has GPUs.")
     adapter: str = option(
         "full", "What SFT trains: full (every parameter) or lora (PEFT LoRA on lora_targets, base weights frozen; "
@@ -86,7 +87,7 @@ class TrainConfig:
     checkpoint_every_steps: int | None = option(
         None, "Save a resumable checkpoint every N optimizer steps (null = at the end of each epoch).", ge=1
     )
-    keep_checkpoints: int = option(2, "Most recent checkpoints kept in Ray Train storage.", ge=1)
+    keep_checkpoints: int = option(2, "Most recent checkpoints kept in Ray Train storage.", ge=1, runtime_only=True)
     offload_optimizer: bool = option(
         False, "ZeRO-Offload: optimizer states, fp32 master weights and the optimizer step live in CPU memory "
         "(DeepSpeed, ZeRO 1-3)."
@@ -94,9 +95,9 @@ class TrainConfig:
     offload_params: bool = option(False, "ZeRO-3 parameter offload to CPU memory (DeepSpeed, zero_stage=3 only).")
     max_failures: int = option(
         0, "Ray Train FailureConfig (launcher=task: the task's max_retries): restarts after a worker dies or "
-        "raises; each restart resumes from the latest checkpoint (-1 = unlimited).", ge=-1
-    )
-    log_every_steps: int = option(10, "Rank 0 logs loss and learning rate every N optimizer steps.", ge=1)
+        "raises; each restart resumes from the latest checkpoint (-1 = unlimited).", ge=-1, runtime_only=True)
+    log_every_steps: int = option(10, "Rank 0 logs loss and learning rate every N optimizer steps.", ge=1,
+                                  runtime_only=True)
 
     def adapter_spec(self) -> dict | None:
         """The :mod:`raycurate.models.adapters` spec of ``adapter`` (None = full fine-tuning)."""
