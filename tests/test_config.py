@@ -152,4 +152,5 @@ def test_runtime_only_train_settings_leave_the_stage_hash_and_result_settings_do
     old = hashlib.sha256(json.dumps([to_dict(base)], sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert config_hash(base) == old
     flagged = {f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("runtime_only")}
-    assert flagged == {"threads_per_worker", "cpus_per_worker", "max_failures", "log_every_steps", "keep_checkpoints"}
+    assert flagged == {"threads_per_worker", "cpus_per_worker", "max_failures", "log_every_steps", "keep_checkpoints",
+                       "checkpoint_every_minutes"}

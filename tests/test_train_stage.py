@@ -20,7 +20,7 @@ from raycurate.stages.train import SFTJob, train_loop
 from raycurate.training.batches import collate, load_token_table
 from raycurate.training.deepspeed_config import deepspeed_config, grad_accum_steps
 from raycurate.training.export import METRICS_FILE
-from raycurate.training.order import epoch_order, micro_batch_rows, total_steps
+from raycurate.training.order import CheckpointClock, epoch_order, micro_batch_rows, total_steps
 
 # ------------------------------------------------------------------------------------------ fixtures
 
@@ -145,6 +145,37 @@ def test_token_table_sorted_by_id_default_weight_and_collate(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ loop, in-process
+
+
+def test_wall_clock_checkpoint_lets_a_one_epoch_run_resume_mid_epoch(tiny_model, token_table, tmp_path, monkeypatch):
+    """One epoch (4 steps), no step cadence: only train.checkpoint_every_minutes can save before the end. A fake
+    clock passes 10 minutes during step 2, so the run killed after that checkpoint resumes at step 2, not 0."""
+    from raycurate.stages import train as train_module
+    from raycurate.training.order import CheckpointClock
+
+    ticks = iter([0.0, 60.0, 660.0] + [700.0 + i for i in range(100)])  # start, step 1, step 2 (due), saved, ...
+    monkeypatch.setattr(train_module, "CheckpointClock",
+                        lambda minutes: CheckpointClock(minutes, now=lambda: next(ticks)))
+    cfg = TrainConfig(engine="ddp", micro_batch_size=2, effective_batch_size=4, epochs=1, max_steps=4, lr=1e-2,
+                      warmup_ratio=0.0, checkpoint_every_minutes=10.0, num_workers=1, seed=7, log_every_steps=1)
+    job = SFTJob(token_table, tiny_model, str(tmp_path / "run"), cfg, False, 1.0)
+    with pytest.raises(Crash):
+        train_loop(job, LocalSession(str(tmp_path / "ckpt"), crash_after_checkpoints=1))
+    assert os.listdir(tmp_path / "ckpt") == ["step_00002"]
+    resumed = train_loop(job, LocalSession(str(tmp_path / "ckpt")))
+    assert resumed["start_step"] == 2 and resumed["steps"] == 4
+
+
+def test_checkpoint_clock_is_due_after_its_interval_and_restarts_on_save():
+    now = [0.0]
+    clock = CheckpointClock(2.0, now=lambda: now[0])
+    now[0] = 119.0
+    assert clock.due_flag() == 0.0
+    now[0] = 120.0
+    assert clock.due_flag() == 1.0
+    clock.saved()
+    assert clock.due_flag() == 0.0
+    assert CheckpointClock(None, now=lambda: 1e9).due_flag() == 0.0
 
 
 def test_resumed_loop_matches_uninterrupted_run(tiny_model, token_table, tmp_path):

@@ -87,6 +87,10 @@ class TrainConfig:
     checkpoint_every_steps: int | None = option(
         None, "Save a resumable checkpoint every N optimizer steps (null = at the end of each epoch).", ge=1
     )
+    checkpoint_every_minutes: float | None = option(
+        10.0, "Also save a resumable checkpoint when this many minutes have passed since the last one (null = "
+        "steps only), so a long epoch killed near its end does not restart from step 0; the ranks agree through "
+        "the step's all-reduce. Not in the stage hash.", gt=0, runtime_only=True)
     keep_checkpoints: int = option(2, "Most recent checkpoints kept in Ray Train storage.", ge=1, runtime_only=True)
     offload_optimizer: bool = option(
         False, "ZeRO-Offload: optimizer states, fp32 master weights and the optimizer step live in CPU memory "

@@ -89,7 +89,7 @@ from raycurate.training.checkpoint import TrainState, save_checkpoint
 from raycurate.training.collectives import all_gather_pairs, all_reduce_sum, gathered_omega_digests
 from raycurate.training.deepspeed_config import grad_accum_steps
 from raycurate.training.export import METRICS_FILE, export_hf, run_metrics
-from raycurate.training.order import epoch_order, should_checkpoint
+from raycurate.training.order import CheckpointClock, epoch_order, should_checkpoint
 from raycurate.training.protocol import TrainSession
 from raycurate.training.session import build_resumed_engine, prepare_worker
 
@@ -511,13 +511,14 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
                     bds.variant, len(cand_table), len(val_table), per_epoch, start_step, run_steps,
                     session.world_size)
 
+    clock = CheckpointClock(cfg.checkpoint_every_minutes)
     for step in range(start_step, run_steps):
         _maybe_generate(generation_hook, ctx, loop, step, cand_table)
         step_started, step_lr = time.perf_counter(), engine.lr()
         loop.omega, stats = bds_step(ctx, loop.omega, step)
-        loss_sum, val_sum, cand_sum, tokens, supervised, online = all_reduce_sum(
+        loss_sum, val_sum, cand_sum, tokens, supervised, online, clock_due = all_reduce_sum(
             [stats.loss_sum, stats.val_loss_sum, stats.cand_loss_sum, stats.tokens, stats.supervised,
-             stats.online_slots], device)
+             stats.online_slots, clock.due_flag()], device)
         state.step = step + 1
         state.loss_per_step.append(loss_sum / (accum * session.world_size))
         state.lr_per_step.append(step_lr)
@@ -536,12 +537,13 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
             logger.info("step %d/%d loss %.4f val %.4f cand %.4f gamma %.3f", state.step, run_steps,
                         state.loss_per_step[-1], curves.val_loss_per_step[-1], curves.cand_loss_per_step[-1],
                         stats.gamma)
-        if should_checkpoint(state.step, run_steps, per_epoch, cfg.checkpoint_every_steps):
+        if should_checkpoint(state.step, run_steps, per_epoch, cfg.checkpoint_every_steps) or clock_due > 0:
             digests = gathered_omega_digests(loop.omega.omega, device)
             _check_in_sync(digests, state.step)
             metrics = _bds_metrics(job, loop, digests, start_step, run_steps, per_epoch, session.world_size,
                                    time.perf_counter() - started, trainable)
             save_checkpoint(engine, session, loop.train, metrics, cfg, _loop_state_writer(loop, digest))
+            clock.saved()
 
     digests = gathered_omega_digests(loop.omega.omega, device)
     _check_in_sync(digests, state.step)

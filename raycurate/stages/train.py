@@ -67,7 +67,14 @@ from raycurate.training.checkpoint import save_checkpoint
 from raycurate.training.collectives import all_reduce_sum
 from raycurate.training.deepspeed_config import check_offload, grad_accum_steps
 from raycurate.training.export import METRICS_FILE, export_hf, run_metrics
-from raycurate.training.order import epoch_order, micro_batch_rows, should_checkpoint, steps_per_epoch, total_steps
+from raycurate.training.order import (
+    CheckpointClock,
+    epoch_order,
+    micro_batch_rows,
+    should_checkpoint,
+    steps_per_epoch,
+    total_steps,
+)
 from raycurate.training.protocol import TrainSession
 from raycurate.training.session import (
     FAULT_ENV,
@@ -185,6 +192,7 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn | None = None
 
     schedule: Any = None  # (per_epoch, accum, world) row indices of the current epoch
     schedule_epoch = -1
+    clock = CheckpointClock(cfg.checkpoint_every_minutes)
     for step in range(start_step, run_steps):
         epoch, step_in_epoch = divmod(step, per_epoch)
         if epoch != schedule_epoch:
@@ -203,7 +211,7 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn | None = None
             tokens += int(batch["attention_mask"].sum())
             loss = engine.train_micro_batch(to_device(batch, device), loss_fn, is_boundary=k == accum - 1)
             loss_sum += float(loss)
-        loss_total, tokens_total = all_reduce_sum([loss_sum, tokens], device)
+        loss_total, tokens_total, clock_due = all_reduce_sum([loss_sum, tokens, clock.due_flag()], device)
         state.step = step + 1
         state.loss_per_step.append(loss_total / (accum * session.world_size))
         state.lr_per_step.append(step_lr)
@@ -214,10 +222,11 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn | None = None
         if session.rank == 0 and (state.step % cfg.log_every_steps == 0 or state.step == run_steps):
             logger.info("step %d/%d loss %.4f lr %.3g", state.step, run_steps, state.loss_per_step[-1],
                         state.lr_per_step[-1])
-        if should_checkpoint(state.step, run_steps, per_epoch, cfg.checkpoint_every_steps):
+        if should_checkpoint(state.step, run_steps, per_epoch, cfg.checkpoint_every_steps) or clock_due > 0:
             metrics = run_metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
                               time.perf_counter() - started, trainable)
             save_checkpoint(engine, session, state, metrics, cfg)
+            clock.saved()
         maybe_inject_fault(session, state.step)
 
     metrics = run_metrics(job, state, start_step, run_steps, per_epoch, session.world_size,

@@ -1,5 +1,5 @@
-"""Data order, step counts and the checkpoint cadence of a training run (pure numpy/math; the LR schedule is
-:func:`raycurate.models.optim.cosine_with_warmup`).
+"""Data order, step counts and the checkpoint cadence of a training run (numpy/math, plus the wall clock of
+:class:`CheckpointClock`; the LR schedule is :func:`raycurate.models.optim.cosine_with_warmup`).
 
 Rows are sorted by ``id`` (file layout does not matter), then epoch ``e`` uses the permutation
 ``np.random.default_rng([seed, e])``.  Optimizer step ``s`` of the epoch takes the permuted rows ``[s*E, (s+1)*E)``
@@ -9,6 +9,9 @@ is not trained on in that epoch; because the permutation changes per epoch, no r
 """
 
 from __future__ import annotations
+
+import time
+from typing import Callable
 
 import numpy as np
 
@@ -71,3 +74,25 @@ def should_checkpoint(done: int, run_steps: int, per_epoch: int, every: int | No
     if done == run_steps:
         return True
     return done % every == 0 if every is not None else done % per_epoch == 0
+
+
+class CheckpointClock:
+    """Wall-clock checkpoint cadence (``train.checkpoint_every_minutes``), on top of the step cadence.
+
+    A one-epoch run checkpoints only at its end under the step cadence, so a run killed at step 30 of 62 restarted
+    from step 0 (#25).  Each rank reads its own clock; the loop sums :meth:`due_flag` over ranks with the step's
+    loss all-reduce, so every rank takes the same decision (a checkpoint is a collective save).
+    """
+
+    def __init__(self, every_minutes: float | None, now: Callable[[], float] = time.monotonic):
+        self.every_seconds = None if every_minutes is None else 60.0 * every_minutes
+        self.now = now
+        self.last = now()
+
+    def due_flag(self) -> float:
+        """1.0 when ``every_minutes`` have passed since the last checkpoint on this rank, else 0.0."""
+        return float(self.every_seconds is not None and self.now() - self.last >= self.every_seconds)
+
+    def saved(self) -> None:
+        """Restart the interval (call after every checkpoint, whatever triggered it)."""
+        self.last = self.now()
