@@ -19,12 +19,15 @@ class TagRows:
         self.calls = 0
 
     def __call__(self, batch):
+        import os
+
         import pyarrow as pa
 
         self.calls += 1
         rows = batch.to_pylist()
         return pa.Table.from_pylist([{"id": r["id"], "y": 2 * r["x"] + self.offset, "group_size": len(rows),
-                                      "instance": self.instance, "call": self.calls} for r in rows])
+                                      "instance": self.instance, "call": self.calls, "pid": os.getpid()}
+                                     for r in rows])
 
 
 def _pickle_this_module_by_value() -> None:
@@ -64,3 +67,13 @@ def test_fewer_groups_than_tasks_start_only_the_tasks_needed(ray_local):
     out = map_rows_on_tasks([{"id": 0, "x": 5}], TagRows, {"offset": 0}, pool, progress=False)
     assert [r["y"] for r in out] == [10]
     assert map_rows_on_tasks([], TagRows, {"offset": 0}, pool, progress=False) == []
+
+
+@pytest.mark.ray
+def test_a_task_process_exits_after_its_groups_instead_of_carrying_its_heap_to_the_next_task(ray_local):
+    """max_calls=1: a warm process reused after an evaluation (or a training) kept its model-sized heap (#25)."""
+    _pickle_this_module_by_value()
+    pool = PoolResources(num_actors=1, num_cpus=0.5, num_gpus=0.0, batch_size=10)
+    first = map_rows_on_tasks([{"id": 0, "x": 1}], TagRows, {"offset": 0}, pool, progress=False)
+    second = map_rows_on_tasks([{"id": 0, "x": 1}], TagRows, {"offset": 0}, pool, progress=False)
+    assert first[0]["pid"] != second[0]["pid"]

@@ -63,8 +63,10 @@ def map_rows_on_tasks(rows: list[dict], udf: type, ctor_kwargs: dict, pool: Pool
     tasks = min(pool.num_actors, len(groups))
     log.info("%s: %d tasks x (%.2f CPU, %.2f GPU), %d groups of <= %d rows", udf.__name__, tasks, pool.num_cpus,
              pool.num_gpus, len(groups), pool.batch_size)
-    remote = ray.remote(_map_groups).options(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
-                                             num_returns="streaming")
+    # max_calls=1: each task loads its model once and streams all its groups; its process then exits rather than
+    # hand a model-sized heap to whatever task Ray schedules on it next (a training, another evaluation).
+    remote = ray.remote(max_calls=1)(_map_groups).options(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
+                                                          num_returns="streaming")
     streams = [remote.remote(udf, ctor_kwargs, groups[k::tasks]) for k in range(tasks)]
     out: list[dict] = []
     with tqdm(total=len(groups), desc=f"{udf.__name__} groups", unit="group", disable=not progress) as bar:
