@@ -136,7 +136,8 @@ def test_first_step_trains_on_the_penalty_loss_and_updates_omega_from_the_gather
         expected = np.zeros(10)
         step = rows / (np.abs(rows) + 1e-8) if optimizer == "sparse_adam" else rows  # Adam: ~lr * sign(g)
         expected[cand_rows] = -0.05 * step
-    weights = pq.read_table(os.path.join(job.output_dir, bds_state.WEIGHTS_FILE)).to_pandas()
+    assert metrics["weights_file"] == bds_state.WEIGHTS_FILE  # relative: the manifest must not name a temp folder
+    weights = pq.read_table(os.path.join(job.output_dir, metrics["weights_file"])).to_pandas()
     assert weights["omega"].to_numpy() == pytest.approx(expected, rel=1e-5, abs=1e-9)
     assert weights["epoch"].tolist() == [0] * 10 and weights["step"].tolist() == [1] * 10
     assert metrics["omega_optimizer"] == optimizer

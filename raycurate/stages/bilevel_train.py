@@ -549,7 +549,8 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
     _check_in_sync(digests, state.step)
     metrics = _bds_metrics(job, loop, digests, start_step, run_steps, per_epoch, session.world_size,
                            time.perf_counter() - started, trainable)
-    metrics["weights_file"] = os.path.join(os.path.abspath(job.output_dir), WEIGHTS_FILE)
+    # relative to the output dir: an absolute path named the stage's temporary folder, gone after its atomic rename
+    metrics["weights_file"] = WEIGHTS_FILE
     export_hf(engine, job, metrics, session)
     if session.rank == 0:
         write_weights(job.output_dir, cand_table.ids, loop.omega)
@@ -587,7 +588,7 @@ def run_bds(candidate_table: str, validation_table: str, init_model: str, output
 
     Returns:
         The metrics of ``train_metrics.json`` (SFT's plus ``gamma_per_step``, ``val_loss_per_step``,
-        ``cand_loss_per_step``, ``omega_loss_per_step``, ``omega_digests``, ``weights_file``, ...).
+        ``cand_loss_per_step``, ``omega_loss_per_step``, ``omega_digests``, ``weights_file`` relative to ``output_dir``, ...).
     """
     check_launcher(cfg)  # fail on the driver, before any worker starts
     check_bds_batches(cfg, bds_cfg, cfg.num_workers)
