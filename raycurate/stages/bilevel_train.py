@@ -508,10 +508,8 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
     start_step, started = state.step, time.perf_counter()
     if session.rank == 0:
         logger.info("BDS (%s): %d candidates, %d validation rows, %d steps/epoch, steps %d -> %d, world %d",
-                    bds.variant, len(cand_table), len(val_table), per_epoch, start_step, run_steps,
-                    session.world_size)
-
-    clock = CheckpointClock(cfg.checkpoint_every_minutes)
+                    bds.variant, len(cand_table), len(val_table), per_epoch, start_step, run_steps, session.world_size)
+    clock = CheckpointClock(cfg.checkpoint_every_minutes)  # plus the step cadence: a long epoch resumes mid-way
     for step in range(start_step, run_steps):
         _maybe_generate(generation_hook, ctx, loop, step, cand_table)
         step_started, step_lr = time.perf_counter(), engine.lr()
@@ -549,8 +547,7 @@ def bds_train_loop(job: BDSJob, session: TrainSession, generation_hook: Generati
     _check_in_sync(digests, state.step)
     metrics = _bds_metrics(job, loop, digests, start_step, run_steps, per_epoch, session.world_size,
                            time.perf_counter() - started, trainable)
-    # relative to the output dir: an absolute path named the stage's temporary folder, gone after its atomic rename
-    metrics["weights_file"] = WEIGHTS_FILE
+    metrics["weights_file"] = WEIGHTS_FILE  # relative: an absolute path named the stage's temporary folder
     export_hf(engine, job, metrics, session)
     if session.rank == 0:
         write_weights(job.output_dir, cand_table.ids, loop.omega)
@@ -588,7 +585,7 @@ def run_bds(candidate_table: str, validation_table: str, init_model: str, output
 
     Returns:
         The metrics of ``train_metrics.json`` (SFT's plus ``gamma_per_step``, ``val_loss_per_step``,
-        ``cand_loss_per_step``, ``omega_loss_per_step``, ``omega_digests``, ``weights_file`` relative to ``output_dir``, ...).
+        ``cand_loss_per_step``, ``omega_loss_per_step``, ``omega_digests``, ``weights_file`` (relative), ...).
     """
     check_launcher(cfg)  # fail on the driver, before any worker starts
     check_bds_batches(cfg, bds_cfg, cfg.num_workers)
