@@ -298,28 +298,22 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     return from_dict(cls, data, source=str(path) if path else "command line", overridden=override_keys(overrides or []))
 
 
-def to_dict(obj: Any) -> Any:
-    """Plain-data view of a config (for YAML dumps and hashing)."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [to_dict(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: to_dict(v) for k, v in obj.items()}
-    return obj
+def to_dict(obj: Any, *, runtime_defaults: bool = False) -> Any:
+    """Plain-data view of a config (for YAML dumps and hashing).
 
-
-def result_view(obj: Any) -> Any:
-    """:func:`to_dict`, with every ``runtime_only`` field (:func:`raycurate.config.base.option`) at its default:
-    what a stage's result depends on.  Defaults rather than omission keep the hashes of configs that never set
-    one."""
+    Args:
+        runtime_defaults: Put every ``runtime_only`` field (:func:`raycurate.config.base.option`) at its default:
+            what a stage's result depends on.  Defaults rather than omission keep the hashes of configs that never
+            set one.
+    """
     if dataclasses.is_dataclass(obj):
-        return {f.name: result_view(_default_of(f) if f.metadata.get("runtime_only") else getattr(obj, f.name))
+        return {f.name: to_dict(_default_of(f) if runtime_defaults and f.metadata.get("runtime_only")
+                                else getattr(obj, f.name), runtime_defaults=runtime_defaults)
                 for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
-        return [result_view(v) for v in obj]
+        return [to_dict(v, runtime_defaults=runtime_defaults) for v in obj]
     if isinstance(obj, dict):
-        return {k: result_view(v) for k, v in obj.items()}
+        return {k: to_dict(v, runtime_defaults=runtime_defaults) for k, v in obj.items()}
     return obj
 
 
@@ -331,7 +325,7 @@ def _default_of(field: dataclasses.Field) -> Any:
 
 def config_hash(*parts: Any) -> str:
     """Stable short hash of config sections (dataclasses or plain data), blind to ``runtime_only`` fields."""
-    blob = json.dumps([result_view(p) for p in parts], sort_keys=True, default=str)
+    blob = json.dumps([to_dict(p, runtime_defaults=True) for p in parts], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -350,7 +344,7 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             rows.extend(describe(tp, key + "."))
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
+        default = _default_of(f)
         help_text = f.metadata.get("help", "")
         if f.metadata.get("choices"):
             help_text += f" (one of {list(f.metadata['choices'])})"
