@@ -142,3 +142,27 @@ def test_forced_stages_rerun_with_their_downstream(tmp_path):
     run.force(["all"])
     _pipeline(run, calls, cfg)
     assert calls[5:] == ["a", "b", "c"]
+
+
+def test_forced_stage_starts_over_instead_of_resuming_its_scratch(tmp_path):
+    """A forced stage deletes ``_scratch/<stage>`` first: a finished training's last checkpoint there carries the
+    same config hash and would otherwise be resumed as "done" (0 steps trained); an unforced re-run keeps it."""
+    from raycurate.stages.base import scratch_dir
+
+    run = RunDir(tmp_path / "run")
+    seen: list[bool] = []
+
+    def body(out):
+        state = scratch_dir(run, "train") / "checkpoint_step_00000084"
+        seen.append(state.exists())
+        state.mkdir(exist_ok=True)
+        (out / "model").write_text("weights")
+        return StageOutput({"model": "model"})
+
+    run_stage(run, "train", body, config={"lr": 1})
+    run_stage(run, "train", body, config={"lr": 2})  # re-run, not forced: the scratch is left to the stage
+    run_stage(run, "train", body, config={"lr": 2}, force=True)
+    run.force(["train"])
+    run_stage(run, "train", body, config={"lr": 2})
+    assert seen == [False, True, False, False]
+    assert (run.root / "_scratch/train/checkpoint_step_00000084").is_dir(), "the forced run's own state is kept"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import time
 import traceback
 from pathlib import Path
@@ -86,6 +87,15 @@ def scratch_dir(run: RunDir, stage: str) -> Path:
     return path
 
 
+def clear_scratch(run: RunDir, stage: str) -> None:
+    """Delete ``_scratch/<stage>``: a forced stage recomputes instead of resuming from the checkpoints or finished
+    shards an earlier execution left there (with the same config hash they would be picked up as its own)."""
+    path = run.path_of(f"_scratch/{check_stage_name(stage)}")
+    if path.exists():
+        log.info("stage %-14s forced: deleting its resume state %s", stage, path)
+        shutil.rmtree(path)
+
+
 def run_stage(
     run: RunDir,
     stage: str,
@@ -103,7 +113,8 @@ def run_stage(
         fn: Writes outputs into the folder it is given and describes them.
         config: Everything that changes the stage's result (config sections, plain values).
         upstream: Stages whose outputs ``fn`` reads.
-        force: Re-run even when current (also when ``run.is_forced(stage)``: the job's ``run.force``).
+        force: Re-run even when current (also when ``run.is_forced(stage)``: the job's ``run.force``), from the
+            start: the stage's ``_scratch`` resume state is deleted first.
 
     Returns:
         The stage's manifest record: ``{status, seconds, config_hash, outputs, metrics, ...}``; ``outputs`` paths
@@ -111,12 +122,15 @@ def run_stage(
     """
     upstream = list(upstream)
     digest = stage_hash(run, config, upstream)
-    if not (force or run.is_forced(stage)) and run.stage_is_current(stage, digest, upstream):
+    forced = force or run.is_forced(stage)
+    if not forced and run.stage_is_current(stage, digest, upstream):
         log.info("stage %-14s skipped (outputs current, hash %s)", stage, digest)
         record = run.stage_record(stage)
         assert record is not None
         return record
     log.info("stage %-14s running", stage)
+    if forced:
+        clear_scratch(run, stage)
     previous = run.stage_record(stage) or {}
     executions = int(previous.get("executions", 0)) + 1  # how often this stage actually ran in this run directory
     started = time.time()
