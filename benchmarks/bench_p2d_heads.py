@@ -7,6 +7,11 @@ like every stage) and reports the pairwise overlap |A & B| / |A| of the selected
 correlation of the full score maps.  Usage::
 
     python benchmarks/bench_p2d_heads.py --run-dir runs/demo [--seeds 0 1 2] [key=value overrides of the demo job]
+    python benchmarks/bench_p2d_heads.py --job jobs/real_proving_ground.yaml \
+        --run-dir runs/real_proving_ground/seed-0 train.threads_per_worker=1     # SmolLM2-135M (issue #25)
+
+``--job`` (default the demo job) must be the job that made ``--run-dir``: the proxies train with its ``train`` and
+``p2d`` settings on its ``tokenize`` rows.
 
 Last line: ``head_overlap_mean=... head_overlap_min=... score_spearman_mean=... heads=... selected=...``.
 """
@@ -24,6 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--job", type=Path, default=None, help="job YAML that made --run-dir (default: the demo job)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
@@ -39,7 +45,7 @@ def main() -> None:
     from raycurate.stages.p2d import full_batch_train_config, heads_stage, ids_subset_stage, seeded_sample, token_ids
     from raycurate.stages.runtime import init_ray
 
-    cfg = _load_job(demo_job_path(), args.overrides)
+    cfg = _load_job(args.job or demo_job_path(), args.overrides)
     run = RunDir(Path(args.run_dir))
     init_ray()
     pool = token_ids(run, "tokenize")
