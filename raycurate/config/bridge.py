@@ -59,7 +59,8 @@ class BridgeConfig:
         "process; null: in the driver up to 20,000 rows (actor start-up costs more than the selection there), "
         "else bridge_pool.num_actors actors. Does not change the selection.", ge=0,
     )
-    warmup_epochs: int = option(1, "Epochs of warmup SFT on the warmup split (theta_old -> theta_bar).", ge=0)
+    warmup_epochs: int = option(1, "Epochs of warmup SFT on the warmup split (theta_old -> theta_bar); 0: no "
+                               "warmup, theta_bar = theta_old (direction and utilities at the base model).", ge=0)
     validation_rows: int | None = option(None, "Cap on validation rows for g_target (null: the whole split).", ge=1)
     micro_batch: int = option(8, "Examples per forward JVP / attention pass inside a scoring actor.", ge=1)
     diagnostics_rows: int = option(200, "Examples in the fidelity diagnostics sample (0 disables).", ge=0)

@@ -32,6 +32,12 @@ def split_equals(name: str):
     return keep
 
 
+def warmup_stage_of(bridge_cfg: Any) -> str:
+    """The stage holding theta_bar: ``bridge_warmup``, or ``base_model`` itself at ``bridge.warmup_epochs = 0``
+    (no warmup SFT: the direction, the utilities and a warmup-referenced baseline use theta_old)."""
+    return "bridge_warmup" if bridge_cfg.warmup_epochs > 0 else "base_model"
+
+
 def run_bridge_selection(run: RunDir, cfg: JobConfig) -> dict[str, str]:
     """The BRIDGE selection on top of ``prepare_data``'s outputs: split subsets, warmup SFT, scoring direction,
     score + select, compaction, the configured baselines' masks and the fidelity diagnostics.
@@ -47,14 +53,14 @@ def run_bridge_selection(run: RunDir, cfg: JobConfig) -> dict[str, str]:
     methods = {"bridge": run_bridge_core(run, cfg)}
     for name in bridge.baselines:
         baseline_masks_stage(run, f"baseline_{name}_masks", method=name, selection_stage="bridge_select",
-                             warmup_stage="bridge_warmup", base_stage="base_model", bridge_cfg=bridge,
+                             warmup_stage=warmup_stage_of(bridge), base_stage="base_model", bridge_cfg=bridge,
                              pool_cfg=cfg.bridge_pool)
         compact_stage(run, f"baseline_{name}_compact", selection_stage=f"baseline_{name}_masks", mask_prefix=name)
         methods[name] = f"baseline_{name}_compact"
     if bridge.diagnostics_rows > 0:
         from raycurate.stages.bridge_diagnostics import diagnostics_stage
 
-        diagnostics_stage(run, selection_stage="bridge_select", warmup_stage="bridge_warmup",
+        diagnostics_stage(run, selection_stage="bridge_select", warmup_stage=warmup_stage_of(bridge),
                           direction_stage_name="bridge_direction", bridge_cfg=bridge)
     return methods
 
@@ -72,13 +78,14 @@ def run_bridge_core(run: RunDir, cfg: JobConfig) -> str:
     for split in ("warmup", "validation", "selection"):
         filter_tokens_stage(run, f"bridge_{split}_rows", tokens_stage="tokenize", description=f"split == {split}",
                             keep=split_equals(split), config={"split": split})
-    warmup_cfg = dataclasses.replace(cfg.train, epochs=bridge.warmup_epochs, max_steps=None)
-    train_stage(run, "bridge_warmup", tokens_stage="bridge_warmup_rows", init_stage="base_model",
-                train_cfg=warmup_cfg)
-    direction_stage(run, warmup_stage="bridge_warmup", base_stage="base_model",
+    warmup = warmup_stage_of(bridge)
+    if warmup == "bridge_warmup":
+        warmup_cfg = dataclasses.replace(cfg.train, epochs=bridge.warmup_epochs, max_steps=None)
+        train_stage(run, warmup, tokens_stage="bridge_warmup_rows", init_stage="base_model", train_cfg=warmup_cfg)
+    direction_stage(run, warmup_stage=warmup, base_stage="base_model",
                     validation_stage="bridge_validation_rows", bridge_cfg=bridge)
     # Score once, select per budget: a budget change (rho_p, rho_r, schedule, closure) re-runs only bridge_select.
-    score_stage(run, tokens_stage="bridge_selection_rows", warmup_stage="bridge_warmup",
+    score_stage(run, tokens_stage="bridge_selection_rows", warmup_stage=warmup,
                 direction_stage_name="bridge_direction", bridge_cfg=bridge, pool_cfg=cfg.bridge_pool,
                 progress=cfg.run.progress)
     select = select_stage(run, score_stage_name="bridge_score", bridge_cfg=bridge, pool_cfg=cfg.bridge_pool,

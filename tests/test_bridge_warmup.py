@@ -1,0 +1,31 @@
+"""``bridge.warmup_epochs = 0``: no warmup SFT, theta_bar is the base model (it crashed in the warmup's export)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from raycurate.config.schema import JobConfig
+
+
+@pytest.mark.parametrize("epochs, theta_bar, trained", [(1, "bridge_warmup", ["bridge_warmup"]), (0, "base_model", [])])
+def test_warmup_epochs_zero_scores_at_the_base_model(monkeypatch, epochs, theta_bar, trained):
+    import raycurate.stages.bridge as bridge_stages
+    import raycurate.stages.bridge_compact as compact
+    import raycurate.stages.data_stages as data_stages
+    import raycurate.stages.model_stages as model_stages
+    from raycurate.pipelines.bridge import run_bridge_core
+
+    calls: dict[str, list] = {"train": [], "direction": [], "score": []}
+    monkeypatch.setattr(data_stages, "filter_tokens_stage", lambda *a, **k: None)
+    monkeypatch.setattr(model_stages, "train_stage", lambda run, stage, **k: calls["train"].append(stage))
+    monkeypatch.setattr(bridge_stages, "direction_stage",
+                        lambda run, **k: calls["direction"].append(k["warmup_stage"]))
+    monkeypatch.setattr(bridge_stages, "score_stage", lambda run, **k: calls["score"].append(k["warmup_stage"]))
+    monkeypatch.setattr(bridge_stages, "select_stage", lambda run, **k: {"metrics": {}})
+    monkeypatch.setattr(compact, "compact_stage", lambda *a, **k: None)
+    cfg = JobConfig()
+    cfg = dataclasses.replace(cfg, bridge=dataclasses.replace(cfg.bridge, warmup_epochs=epochs))
+    assert run_bridge_core(None, cfg) == "bridge_compact"  # type: ignore[arg-type]
+    assert calls == {"train": trained, "direction": [theta_bar], "score": [theta_bar]}
