@@ -5,6 +5,10 @@ Per run directory and pooled over them (questions resampled within each seed,
 
     python benchmarks/compare_bridge_arms.py --runs runs/s0 runs/s1 runs/s2 --a eval_bridge --b eval_random
 
+With three or more run directories it also prints the t-interval over the runs' differences: list replicate runs
+(``train.seed`` 0 and 1 of each corpus seed) to include the training's randomness, which the question bootstrap
+does not see.
+
 ``--a`` / ``--b`` may name ``RUN_SUFFIX:stage`` to compare stages of two sibling run directories (e.g. the same seed
 run with another ``bridge.budget``): ``--a _corpus:eval_bridge`` reads ``<run>_corpus/eval_bridge``.
 """
@@ -47,8 +51,24 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{run.name}: {a.mean():.3f} vs {b.mean():.3f}, {e.value:+.3f} [{e.low:+.3f}, {e.high:+.3f}]")
         pooled = stratified_paired_bootstrap_ci(pairs)
         print(f"{metric} EM, {args.a} - {args.b}: " + "; ".join(cells)
-              + f"; pooled {pooled.value:+.3f} [{pooled.low:+.3f}, {pooled.high:+.3f}]")
+              + f"; pooled {pooled.value:+.3f} [{pooled.low:+.3f}, {pooled.high:+.3f}]" + over_runs(pairs))
     return 0
+
+
+def over_runs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> str:
+    """``"; over N runs +m [t-interval]"``: the 95% t-interval of the per-run differences (>= 3 runs).
+
+    The paired bootstrap resamples questions only, so it holds each run's training fixed.  With replicate runs in
+    ``--runs`` (the same corpus seed trained with another ``train.seed``) the spread between runs includes the
+    training's own randomness, which on the embedded model is as large as the arms' differences (issue #26).
+    """
+    if len(pairs) < 3:
+        return ""
+    from scipy.stats import t as student_t
+
+    diffs = np.array([a.mean() - b.mean() for a, b in pairs])
+    half = student_t.ppf(0.975, len(diffs) - 1) * diffs.std(ddof=1) / np.sqrt(len(diffs))
+    return f"; over {len(diffs)} runs {diffs.mean():+.3f} [{diffs.mean() - half:+.3f}, {diffs.mean() + half:+.3f}]"
 
 
 if __name__ == "__main__":
