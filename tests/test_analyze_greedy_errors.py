@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
+from benchmark_scripts import load_benchmark
 
 from raycurate.data.corpus import generate_heldout, generate_validation_questions
 from raycurate.data.corpus.heldout import heldout_tasks, validation_tasks
 from raycurate.data.corpus.math_tasks import swapped_entity_response
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("analyze_greedy_errors", ROOT / "benchmarks/analyze_greedy_errors.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("analyze_greedy_errors")
 
 
 def test_tasks_are_the_ones_behind_the_question_rows():

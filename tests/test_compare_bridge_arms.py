@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("compare_bridge_arms", ROOT / "benchmarks/compare_bridge_arms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_scripts import load_benchmark
 
 
 def test_over_runs_is_the_t_interval_of_the_per_run_differences():
-    over_runs = _script().over_runs
+    over_runs = load_benchmark("compare_bridge_arms").over_runs
     ones, zeros = np.ones(4), np.zeros(4)
     half = np.array([1.0, 1.0, 0.0, 0.0])
     assert over_runs([(ones, zeros), (half, zeros)]) == "", "two runs: no interval"
