@@ -80,9 +80,13 @@ def stage_hash(run: RunDir, config: Any, upstream: Iterable[str]) -> str:
     return config_hash(config, upstream_hashes)
 
 
+def _scratch_path(run: RunDir, stage: str) -> Path:
+    return run.path_of(f"_scratch/{check_stage_name(stage)}")
+
+
 def scratch_dir(run: RunDir, stage: str) -> Path:
     """A persistent per-stage folder for state that must survive a crash (e.g. training checkpoints)."""
-    path = run.path_of(f"_scratch/{check_stage_name(stage)}")
+    path = _scratch_path(run, stage)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -90,7 +94,7 @@ def scratch_dir(run: RunDir, stage: str) -> Path:
 def clear_scratch(run: RunDir, stage: str) -> None:
     """Delete ``_scratch/<stage>``: a forced stage recomputes instead of resuming from the checkpoints or finished
     shards an earlier execution left there (with the same config hash they would be picked up as its own)."""
-    path = run.path_of(f"_scratch/{check_stage_name(stage)}")
+    path = _scratch_path(run, stage)
     if path.exists():
         log.info("stage %-14s forced: deleting its resume state %s", stage, path)
         shutil.rmtree(path)
