@@ -39,10 +39,11 @@ def main() -> None:
 
     from raycurate.algorithms.head_scoring import head_overlap
     from raycurate.cli.main import _load_job, demo_job_path
+    from raycurate.config.train import full_batch_train_config
     from raycurate.rundir import RunDir
     from raycurate.stages.base import output_path
     from raycurate.stages.model_stages import train_stage
-    from raycurate.stages.p2d import full_batch_train_config, heads_stage, ids_subset_stage, seeded_sample, token_ids
+    from raycurate.stages.p2d import heads_stage, ids_subset_stage, seeded_sample, token_ids
     from raycurate.stages.runtime import init_ray
 
     cfg = _load_job(args.job or demo_job_path(), args.overrides)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from raycurate.config.train import TrainConfig
-from raycurate.stages.p2d import aer_table, full_batch_train_config, precision, seeded_sample, selection_rows
+from raycurate.config.train import TrainConfig, full_batch_train_config
+from raycurate.stages.p2d import aer_table, precision, seeded_sample, selection_rows
 
 
 def test_seeded_sample_is_reproducible_sorted_and_distinct():

@@ -61,6 +61,10 @@ class BridgeConfig:
     )
     warmup_epochs: int = option(1, "Epochs of warmup SFT on the warmup split (theta_old -> theta_bar); 0: no "
                                "warmup, theta_bar = theta_old (direction and utilities at the base model).", ge=0)
+    warmup_batch: str = option(
+        "minibatch", "Warmup SFT batches: minibatch (train's batches, shuffled by train.seed) or full (beyond the "
+        "paper: the same number of optimizer steps, each on the mean gradient of the whole warmup split, so "
+        "theta_bar and the selection do not depend on a batch order; issue #26).", choices=("minibatch", "full"))
     validation_rows: int | None = option(None, "Cap on validation rows for g_target (null: the whole split).", ge=1)
     micro_batch: int = option(8, "Examples per forward JVP / attention pass inside a scoring actor.", ge=1)
     diagnostics_rows: int = option(200, "Examples in the fidelity diagnostics sample (0 disables).", ge=0)

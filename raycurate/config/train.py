@@ -132,3 +132,20 @@ class TrainConfig:
             problems.append(f"train.offload_params: true needs train.zero_stage=3 (got {self.zero_stage}); use "
                             "train.offload_optimizer for ZeRO-1/2")
         return problems
+
+
+def full_batch_train_config(train_cfg: TrainConfig, rows: int, steps: int, lr: float, *,
+                            rows_key: str = "p2d.proxy_examples") -> TrainConfig:
+    """``train_cfg`` turned into ``steps`` full-batch steps over ``rows`` examples (P2D's proxy recipe; BRIDGE's
+    ``warmup_batch: full``): every step's gradient is the mean over all rows, so the result does not depend on a
+    batch order.  ``rows_key`` names the setting behind ``rows`` in the error."""
+    import dataclasses
+
+    workers = train_cfg.num_workers
+    micro = next((m for m in range(train_cfg.micro_batch_size, 0, -1) if rows % (m * workers) == 0), None)
+    if micro is None:
+        raise ValueError(f"{rows_key}={rows} is not divisible by train.num_workers={workers}; pick a "
+                         "multiple so every optimizer step sees the full batch")
+    # one step per epoch: checkpoint once at the end, not after every (one-step) epoch
+    return dataclasses.replace(train_cfg, lr=lr, epochs=steps, max_steps=steps, micro_batch_size=micro,
+                               effective_batch_size=rows, warmup_ratio=0.0, checkpoint_every_steps=steps)

@@ -65,6 +65,22 @@ def run_bridge_selection(run: RunDir, cfg: JobConfig) -> dict[str, str]:
     return methods
 
 
+def warmup_train_config(run: RunDir, train_cfg: Any, bridge_cfg: Any) -> Any:
+    """The warmup SFT's training config: ``bridge.warmup_epochs`` of ``train``'s minibatches, or, at
+    ``bridge.warmup_batch = full``, as many optimizer steps (``epochs * (rows // effective_batch_size)``, at least
+    one) on the whole ``bridge_warmup_rows`` split, which makes theta_bar independent of ``train.seed``'s batch
+    order."""
+    if bridge_cfg.warmup_batch == "minibatch":
+        return dataclasses.replace(train_cfg, epochs=bridge_cfg.warmup_epochs, max_steps=None)
+    from raycurate.config.train import full_batch_train_config
+    from raycurate.stages.p2d import token_ids
+
+    warmup_rows = len(token_ids(run, "bridge_warmup_rows"))
+    steps = bridge_cfg.warmup_epochs * max(1, warmup_rows // train_cfg.effective_batch_size)
+    return full_batch_train_config(train_cfg, warmup_rows, steps, train_cfg.lr,
+                                   rows_key="the warmup split of bridge.warmup_batch=full")
+
+
 def run_bridge_core(run: RunDir, cfg: JobConfig) -> str:
     """Split subsets, warmup SFT, scoring direction, ``bridge_score`` (once), ``bridge_select`` at
     ``cfg.bridge``'s budgets and ``bridge_compact``; returns the compacted token stage (no baselines, no
@@ -80,7 +96,7 @@ def run_bridge_core(run: RunDir, cfg: JobConfig) -> str:
                             keep=split_equals(split), config={"split": split})
     warmup = warmup_stage_of(bridge)
     if warmup == "bridge_warmup":
-        warmup_cfg = dataclasses.replace(cfg.train, epochs=bridge.warmup_epochs, max_steps=None)
+        warmup_cfg = warmup_train_config(run, cfg.train, bridge)
         train_stage(run, warmup, tokens_stage="bridge_warmup_rows", init_stage="base_model", train_cfg=warmup_cfg)
     direction_stage(run, warmup_stage=warmup, base_stage="base_model",
                     validation_stage="bridge_validation_rows", bridge_cfg=bridge)

@@ -64,8 +64,9 @@ def run_p2d_heads(run: RunDir, cfg: JobConfig) -> str:
 
     Shared by :func:`run_p2d_selection` and :func:`raycurate.api.identify_heads`.
     """
+    from raycurate.config.train import full_batch_train_config
     from raycurate.stages.model_stages import train_stage
-    from raycurate.stages.p2d import full_batch_train_config, heads_stage, ids_subset_stage, seeded_sample, token_ids
+    from raycurate.stages.p2d import heads_stage, ids_subset_stage, seeded_sample, token_ids
 
     p2d = cfg.p2d
     pool = pool_stage(run, cfg)

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from raycurate.config.p2d import P2DConfig
 from raycurate.config.pool import ActorPoolConfig
-from raycurate.config.train import TrainConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage
 from raycurate.stages.bridge import read_token_rows
@@ -63,20 +62,6 @@ def ids_subset_stage(run: RunDir, stage: str, *, tokens_stage: str, ids: list[st
 
     return filter_tokens_stage(run, stage, tokens_stage=tokens_stage, description=description, keep=keep,
                                config={"ids": wanted}, force=force)
-
-
-def full_batch_train_config(train_cfg: TrainConfig, rows: int, steps: int, lr: float) -> TrainConfig:
-    """``train_cfg`` turned into ``steps`` full-batch steps over ``rows`` examples (the proxy recipe)."""
-    import dataclasses
-
-    workers = train_cfg.num_workers
-    micro = next((m for m in range(train_cfg.micro_batch_size, 0, -1) if rows % (m * workers) == 0), None)
-    if micro is None:
-        raise ValueError(f"p2d.proxy_examples={rows} is not divisible by train.num_workers={workers}; pick a "
-                         "multiple so every optimizer step sees the full batch")
-    # one step per epoch: checkpoint once at the end, not after every (one-step) epoch
-    return dataclasses.replace(train_cfg, lr=lr, epochs=steps, max_steps=steps, micro_batch_size=micro,
-                               effective_batch_size=rows, warmup_ratio=0.0, checkpoint_every_steps=steps)
 
 
 # --------------------------------------------------------------------------------------------- head scoring
