@@ -56,19 +56,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def over_runs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> str:
-    """``"; over N runs +m [t-interval]"``: the 95% t-interval of the per-run differences (>= 3 runs).
+    """``"; over N runs +m [t-interval]"``: the 95% t-interval of the per-run differences (>= 3 runs), which with
+    replicate runs in ``--runs`` (a corpus seed trained with another ``train.seed``) includes training noise."""
+    from raycurate.algorithms.stats import t_interval_over_runs
 
-    The paired bootstrap resamples questions only, so it holds each run's training fixed.  With replicate runs in
-    ``--runs`` (the same corpus seed trained with another ``train.seed``) the spread between runs includes the
-    training's own randomness, which on the embedded model is as large as the arms' differences (issue #26).
-    """
-    if len(pairs) < 3:
-        return ""
-    from scipy.stats import t as student_t
-
-    diffs = np.array([a.mean() - b.mean() for a, b in pairs])
-    half = student_t.ppf(0.975, len(diffs) - 1) * diffs.std(ddof=1) / np.sqrt(len(diffs))
-    return f"; over {len(diffs)} runs {diffs.mean():+.3f} [{diffs.mean() - half:+.3f}, {diffs.mean() + half:+.3f}]"
+    e = t_interval_over_runs(np.array([a.mean() - b.mean() for a, b in pairs])) if len(pairs) >= 3 else None
+    return "" if e is None else f"; over {e.n} runs {e.value:+.3f} [{e.low:+.3f}, {e.high:+.3f}]"
 
 
 if __name__ == "__main__":

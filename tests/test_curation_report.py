@@ -178,3 +178,40 @@ def test_token_baselines_sit_beside_bridge_against_random_tokens(run_dir):
     assert pooled["value"] == pytest.approx(0.375 - 0.125) and pooled["low"] > 0
     assert summary["comparisons"]["token_cleaning vs random"]["pooled"]["value"] == pytest.approx(0.25)
     assert "bridge vs independent" not in summary["comparisons"]  # not evaluated: no pair
+
+
+def test_train_seeds_repeat_each_corpus_seed_and_add_a_t_interval_over_runs(tmp_path, monkeypatch):
+    from raycurate.config.schema import JobConfig, ProvingGroundConfig, RunConfig
+    from raycurate.pipelines import demo, proving_ground, run_pipeline
+
+    seen = []
+
+    def fake_demo(cfg):
+        seen.append((cfg.data.corpus_seed, cfg.train.seed, cfg.run.name))
+        root = Path(cfg.run.runs_dir) / cfg.run.name
+        root.mkdir(parents=True)
+        stages: dict = {}
+        gain = {0: 0.5, 1: 0.0}[cfg.train.seed]  # the clean arm's gain depends on the training seed alone
+        _write_eval(root, stages, "mixed", np.zeros(N), np.full(N, 0.25))
+        _write_eval(root, stages, "clean", np.zeros(N), np.full(N, 0.25 + gain))
+        return {"stages": stages}
+
+    monkeypatch.setattr(demo, "run_demo", fake_demo)
+    cfg = JobConfig(pipeline="proving_ground", run=RunConfig(name="pg", runs_dir=str(tmp_path)),
+                    proving_ground=ProvingGroundConfig(seeds=[0, 5], train_seeds=[0, 1]))
+    summary = proving_ground.run_proving_ground(cfg, run_pipeline)
+    assert seen == [(0, 0, "seed-0"), (0, 1, "seed-0-train-1"), (5, 0, "seed-5"), (5, 1, "seed-5-train-1")]
+    assert summary["seeds"] == [0, "0-train-1", 5, "5-train-1"]
+    oracle = summary["comparisons"]["oracle: clean vs mixed"]
+    assert oracle["pooled"]["value"] == pytest.approx(0.25)
+    # per-run differences 0.5, 0, 0.5, 0: mean 0.25, sd 0.2887, t(0.975, 3 df) 3.1824 -> half-width 0.4594
+    assert oracle["over_runs"]["value"] == pytest.approx(0.25)
+    assert oracle["over_runs"]["high"] - 0.25 == pytest.approx(3.1824 * 0.28868 / 2, rel=1e-3)
+    html = (tmp_path / "pg" / "report.html").read_text()
+    assert "over runs (t, 95%)" in html and "seed 5-train-1" in html
+
+
+def test_fewer_than_three_runs_have_no_t_interval():
+    flat = {"mixed": np.zeros(4), "clean": np.ones(4)}
+    summary = summarize_seeds({0: ("sampled", flat), 1: ("sampled", flat)})
+    assert summary["comparisons"]["oracle: clean vs mixed"]["over_runs"] is None

@@ -118,6 +118,26 @@ def stratified_paired_bootstrap_ci(pairs: list[tuple[np.ndarray, np.ndarray]], *
     return _interval(point, replicate_means / len(diffs), int(sum(len(d) for d in diffs)), level)
 
 
+def t_interval_over_runs(differences: np.ndarray, *, level: float = 0.95) -> Estimate | None:
+    """Mean of per-run differences with a Student-t interval (``None`` below 3 runs).
+
+    The paired bootstrap resamples questions and holds each run's training fixed; runs that repeat a corpus seed
+    with another ``train.seed`` make this interval include the training's own randomness, which on the embedded
+    model is as large as some arms' differences (issue #26).
+
+    Args:
+        differences: (R,) one mean difference (treatment minus control) per run.
+        level: Interval coverage.
+    """
+    from scipy.stats import t as student_t
+
+    d = _as_vector(differences, "differences")
+    if len(d) < 3:
+        return None
+    half = float(student_t.ppf(0.5 + level / 2.0, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))
+    return Estimate(float(d.mean()), float(d.mean() - half), float(d.mean() + half), len(d))
+
+
 def bootstrap_precision_ci(selected: np.ndarray, positives: np.ndarray, *, replicates: int = DEFAULT_REPLICATES,
                            seed: int = 0, level: float = 0.95) -> Estimate:
     """Share of positives among the selected rows, with an interval from resampling the selected rows.

@@ -113,6 +113,11 @@ class ProvingGroundConfig:
     pipeline: str = option("demo", "Pipeline each seed runs: demo (every method vs its baseline), curate (the "
                            "composition vs each single step at a matched token budget), or a single method.",
                            choices=tuple(p for p in PIPELINES if p != "proving_ground"))
+    train_seeds: list[int] | None = option(
+        None, "Training seeds (train.seed: batch order, adapter init) per corpus seed; null: train.seed alone. "
+        "Each (corpus seed, train seed) is one run, in seed-<seed>/ at train.seed and seed-<seed>-train-<t>/ "
+        "otherwise; the summary adds a t-interval over runs, which includes training noise (the question "
+        "bootstrap holds each training fixed; issue #26).")
     pool_only: bool = option(
         False, "Pool the seeds' runs already in <runs_dir>/<name>/seed-<seed>/ as they are (their manifests and "
         "held-out evaluations) without running anything: for runs made by an older raycurate or with other "
@@ -122,7 +127,10 @@ class ProvingGroundConfig:
         """An empty or repeated seed list (checked before anything runs)."""
         if not self.seeds:
             return ["proving_ground.seeds: empty; give at least one corpus seed, e.g. [0, 1, 2]"]
-        return _repeated("proving_ground.seeds", self.seeds)
+        if self.train_seeds is not None and not self.train_seeds:
+            return ["proving_ground.train_seeds: empty; give at least one training seed, e.g. [0, 1], or null"]
+        return _repeated("proving_ground.seeds", self.seeds) + _repeated("proving_ground.train_seeds",
+                                                                         self.train_seeds or [])
 
 
 @dataclasses.dataclass

@@ -2,13 +2,16 @@
 every comparison pooled over them.
 
 Each seed runs that pipeline in ``<runs_dir>/<name>/seed-<seed>/`` (so each is an ordinary, resumable run with its
-own report); the base model is shared through its cache.  The summary (``proving_ground.json`` and
-``report.html`` in ``<runs_dir>/<name>/``) has, per comparison, each seed's paired difference with its CI and the
-difference pooled over seeds (questions resampled within each seed): every fine-tuned model against the base model,
-the demo's methods against their baselines, and for ``pipeline: curate`` the composition against each arm and BDS
-alone against random rows at the matched token budget.  The top-level comparisons use the primary metric (sampled
-exact match when the runs sampled answers); ``by_metric`` holds the same summary for greedy and for sampled exact
-match, and the page states for each whether any fine-tuned arm beats the base model.
+own report); the base model is shared through its cache.  ``proving_ground.train_seeds`` repeats every corpus seed
+with other training seeds (``seed-<seed>-train-<t>/``), and with 3 or more runs each comparison also gets a
+t-interval over the runs' differences, which includes the training's own noise.  The summary
+(``proving_ground.json`` and ``report.html`` in ``<runs_dir>/<name>/``) has, per comparison, each seed's paired
+difference with its CI and the difference pooled over seeds (questions resampled within each seed): every fine-tuned
+model against the base model, the demo's methods against their baselines, and for ``pipeline: curate`` the
+composition against each arm and BDS alone against random rows at the matched token budget.  The top-level
+comparisons use the primary metric (sampled exact match when the runs sampled answers); ``by_metric`` holds the
+same summary for greedy and for sampled exact match, and the page states for each whether any fine-tuned arm beats
+the base model.
 """
 
 from __future__ import annotations
@@ -25,12 +28,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("raycurate")
 
 
-def seed_config(cfg: JobConfig, seed: int) -> JobConfig:
-    """The ``proving_ground.pipeline`` job of one corpus seed, in ``<runs_dir>/<name>/seed-<seed>``."""
+def run_label(cfg: JobConfig, seed: int, train_seed: int) -> int | str:
+    """A run's key in the summary and its folder suffix: the corpus seed (``2``) at ``train.seed``, else
+    ``"2-train-1"``."""
+    return seed if train_seed == cfg.train.seed else f"{seed}-train-{train_seed}"
+
+
+def runs_of(cfg: JobConfig) -> list[tuple[int, int]]:
+    """(corpus seed, train seed) of every run: ``proving_ground.seeds`` x ``proving_ground.train_seeds`` (or
+    ``train.seed`` alone)."""
+    return [(seed, t) for seed in cfg.proving_ground.seeds for t in cfg.proving_ground.train_seeds or [cfg.train.seed]]
+
+
+def seed_config(cfg: JobConfig, seed: int, train_seed: int | None = None) -> JobConfig:
+    """The ``proving_ground.pipeline`` job of one corpus seed (and training seed, default ``train.seed``), in
+    ``<runs_dir>/<name>/seed-<run_label>``."""
+    train_seed = cfg.train.seed if train_seed is None else train_seed
     runs_dir = f"{str(cfg.run.runs_dir).rstrip('/')}/{cfg.run.name}"
-    return dataclasses.replace(cfg, pipeline=cfg.proving_ground.pipeline,
-                               run=dataclasses.replace(cfg.run, runs_dir=runs_dir, name=f"seed-{seed}"),
-                               data=dataclasses.replace(cfg.data, corpus_seed=seed))
+    return dataclasses.replace(
+        cfg, pipeline=cfg.proving_ground.pipeline,
+        run=dataclasses.replace(cfg.run, runs_dir=runs_dir, name=f"seed-{run_label(cfg, seed, train_seed)}"),
+        data=dataclasses.replace(cfg.data, corpus_seed=seed), train=dataclasses.replace(cfg.train, seed=train_seed))
 
 
 def _comparisons(scores: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -53,35 +71,46 @@ def _comparisons(scores: dict[str, Any]) -> dict[str, tuple[str, str]]:
     return {name: pair for name, pair in pairs.items() if pair[0] in scores and pair[1] in scores}
 
 
-def summarize_seeds(per_seed: dict[int, tuple[str, dict[str, Any]]]) -> dict:
-    """Pool paired comparisons over seeds.
+def summarize_seeds(per_seed: dict[int | str, tuple[str, dict[str, Any]]]) -> dict:
+    """Pool paired comparisons over runs (corpus seeds, and training seeds where the job repeats them).
 
     Args:
-        per_seed: seed -> (metric label, {model: (Q,) per-question scores}).
+        per_seed: run label (:func:`run_label`) -> (metric label, {model: (Q,) per-question scores}).
 
     Returns:
-        ``metric``, ``seeds`` and ``comparisons``: name -> ``per_seed`` (seed -> estimate dict) and ``pooled``
-        (stratified paired bootstrap over the seeds that have both models), plus ``seeds_excluding_zero``.
+        ``metric``, ``seeds`` (the run labels, in run order) and ``comparisons``: name -> ``per_seed`` (label ->
+        estimate dict), ``pooled`` (stratified paired bootstrap over the runs that have both models, questions
+        resampled within each run), ``over_runs`` (t-interval of the per-run differences, >= 3 runs, else null)
+        and ``seeds_excluding_zero``.
     """
-    from raycurate.algorithms.stats import paired_bootstrap_ci, stratified_paired_bootstrap_ci
+    import numpy as np
+
+    from raycurate.algorithms.stats import paired_bootstrap_ci, stratified_paired_bootstrap_ci, t_interval_over_runs
 
     names: dict[str, tuple[str, str]] = {}
     for _, scores in per_seed.values():
         names.update(_comparisons(scores))
     comparisons = {}
     for name, (a, b) in names.items():
-        seeds = [s for s, (_, scores) in per_seed.items() if a in scores and b in scores]
-        estimates = {s: paired_bootstrap_ci(per_seed[s][1][a], per_seed[s][1][b]) for s in seeds}
-        pooled = stratified_paired_bootstrap_ci([(per_seed[s][1][a], per_seed[s][1][b]) for s in seeds])
+        runs = [s for s, (_, scores) in per_seed.items() if a in scores and b in scores]
+        pairs = [(per_seed[s][1][a], per_seed[s][1][b]) for s in runs]
+        estimates = {s: paired_bootstrap_ci(*pair) for s, pair in zip(runs, pairs)}
+        over_runs = t_interval_over_runs(np.array([np.mean(x) - np.mean(y) for x, y in pairs])) \
+            if len(pairs) >= 3 else None
         comparisons[name] = {"per_seed": {str(s): e.as_dict() for s, e in estimates.items()},
-                             "pooled": pooled.as_dict(),
+                             "pooled": stratified_paired_bootstrap_ci(pairs).as_dict(),
+                             "over_runs": over_runs.as_dict() if over_runs else None,
                              "seeds_excluding_zero": sum(e.excludes_zero() for e in estimates.values())}
     metric = next(iter(per_seed.values()))[0] if per_seed else ""
-    return {"metric": metric, "seeds": sorted(per_seed), "comparisons": comparisons}
+    return {"metric": metric, "seeds": list(per_seed), "comparisons": comparisons}
 
 
-def seeds_text(seeds: list[int]) -> str:
-    """``"seeds 0, 1, 2 (3 seeds)"`` / ``"1 seed (seed 0)"``: which corpus seeds, and how many."""
+def seeds_text(seeds: list[int | str]) -> str:
+    """``"seeds 0, 1, 2 (3 seeds)"`` / ``"1 seed (seed 0)"`` / ``"runs 0, 0-train-1 (2 runs: corpus seed-train
+    seed)"``: which runs, and how many."""
+    if any(isinstance(s, str) for s in seeds):
+        return (f"runs {', '.join(str(s) for s in seeds)} ({len(seeds)} runs; "
+                "&lt;corpus seed&gt;-train-&lt;train.seed&gt; repeats a corpus seed with another training seed)")
     if len(seeds) == 1:
         return f"1 seed (seed {seeds[0]})"
     return f"seeds {', '.join(str(s) for s in seeds)} ({len(seeds)} seeds)"
@@ -116,9 +145,14 @@ def _metric_table(summary: dict) -> str:
         return f"{e['value']:+.3f} [{e['low']:+.3f}, {e['high']:+.3f}]"
 
     seeds = summary["seeds"]
+    with_t = any(c.get("over_runs") for c in summary["comparisons"].values())
     rows = [[name, *(fmt(c["per_seed"][str(s)]) if str(s) in c["per_seed"] else "" for s in seeds),
-             fmt(c["pooled"]), f"{c['seeds_excluding_zero']} of {len(c['per_seed'])}"]
+             fmt(c["pooled"]), *([fmt(c["over_runs"]) if c.get("over_runs") else ""] if with_t else []),
+             f"{c['seeds_excluding_zero']} of {len(c['per_seed'])}"]
             for name, c in summary["comparisons"].items()]
+    t_text = (" The t-interval over runs treats each run's difference as one draw; with runs that repeat a corpus "
+              "seed under another training seed it includes training noise, which the question bootstrap does not."
+              if with_t else "")
     oracle = summary["comparisons"].get("oracle: clean vs mixed")
     note = ""
     if oracle and not oracle["pooled"]["low"] > 0:
@@ -127,9 +161,9 @@ def _metric_table(summary: dict) -> str:
     return (f"<h2>{esc(summary['metric'])}</h2>" + _base_verdict(summary) + note
             + f"<p>Paired differences (A minus B) with 95% bootstrap intervals per corpus seed, and pooled over "
             f"{seeds_text(seeds)}, questions resampled within each seed. The last column counts the seeds whose own "
-            "interval excludes 0.</p>"
+            f"interval excludes 0.{t_text}</p>"
             + table(["comparison (A vs B)", *(f"seed {s}" for s in seeds), "pooled",
-                     "seeds whose interval excludes 0"], rows))
+                     *(["over runs (t, 95%)"] if with_t else []), "seeds whose interval excludes 0"], rows))
 
 
 def _render(summary: dict) -> str:
@@ -183,23 +217,24 @@ def run_proving_ground(cfg: JobConfig, run_pipeline: Callable[[JobConfig], dict]
     pool_only = cfg.proving_ground.pool_only
     if not pool_only:
         check_split_sizes(cfg)  # every seed's splits, before the first seed starts Ray
-    per_seed: dict[int, tuple[str, dict[str, Any]]] = {}
-    by_metric: dict[str, dict[int, tuple[str, dict[str, Any]]]] = {}
+    per_seed: dict[int | str, tuple[str, dict[str, Any]]] = {}
+    by_metric: dict[str, dict[int | str, tuple[str, dict[str, Any]]]] = {}
     budgets: dict[str, dict] = {}
-    for seed in cfg.proving_ground.seeds:
-        child = seed_config(cfg, seed)
+    for seed, train_seed in runs_of(cfg):
+        child = seed_config(cfg, seed, train_seed)
         run_dir = Path(child.run.runs_dir) / child.run.name
-        log.info("proving ground: corpus seed %d, pipeline %s -> %s%s", seed, child.pipeline, run_dir,
-                 " (pooled as it is)" if pool_only else "")
+        label = run_label(cfg, seed, train_seed)
+        log.info("proving ground: corpus seed %d, train seed %d, pipeline %s -> %s%s", seed, train_seed,
+                 child.pipeline, run_dir, " (pooled as it is)" if pool_only else "")
         manifest = existing_manifest(run_dir) if pool_only else run_pipeline(child)
         loaded = aligned_scores(run_dir, manifest, evaluated_models(manifest))
         if loaded is not None:
-            per_seed[seed] = (loaded[1], loaded[2])
+            per_seed[label] = (loaded[1], loaded[2])
         for key, pair in scores_by_metric(run_dir, manifest, evaluated_models(manifest)).items():
-            by_metric.setdefault(key, {})[seed] = pair
+            by_metric.setdefault(key, {})[label] = pair
         composition = (manifest.get("results") or {}).get("composition")
         if composition:  # what each arm trained on, so the pooled table can be read against the budgets
-            budgets[str(seed)] = {"budget_tokens": composition["budget_tokens"],
+            budgets[str(label)] = {"budget_tokens": composition["budget_tokens"],
                                   "arms": {arm: {k: a.get(k) for k in ("rows", "response_tokens", "clean_share")}
                                            for arm, a in composition["arms"].items()}}
     summary = summarize_seeds(per_seed)
