@@ -177,7 +177,9 @@ def fidelity(model, direction, rows: list[dict]) -> dict:
         weights = np.zeros(n)
         weights[response_idx] = ex.S_r
         ko_ref = knockout_reference(model, ids, p, prompt_idx, weights, direction)
-        extra.append({"knockout_vs_loo": spearman(ex.reference[0], ko_ref),
+        extra.append({"routing_vs_loo": spearman(ex.reference[0], ex.proxies["attention_x_a"][0]),
+                      "knockout_grad_vs_loo": spearman(ex.reference[0], ex.proxies[KNOCKOUT][0]),
+                      "knockout_vs_loo": spearman(ex.reference[0], ko_ref),
                       "knockout_grad_vs_knockout": spearman(ko_ref, ex.proxies[KNOCKOUT][0]),
                       "routing_vs_knockout": spearman(ko_ref, ex.proxies["attention_x_a"][0])})
         curves.append(ranking_shift(ex.beta, ex.gamma, ex.prompt_bias, subset="random",
@@ -185,7 +187,8 @@ def fidelity(model, direction, rows: list[dict]) -> dict:
         top_curves.append(ranking_shift(ex.beta, ex.gamma, ex.prompt_bias, subset="top"))
     table = {(r["side"], r["proxy"]): r for r in fidelity_table(examples)}
     extra_mean = {k: float(np.nanmean([e[k] for e in extra])) for k in extra[0]}
-    return {"examples": len(examples), "table": table, "extra": extra_mean,
+    per_example = {k: [e[k] for e in extra] for k in ("routing_vs_loo", "knockout_grad_vs_loo")}
+    return {"examples": len(examples), "table": table, "extra": extra_mean, "per_example": per_example,
             "shift_random": mean_ranking_shift(curves), "shift_top": mean_ranking_shift(top_curves)}
 
 
@@ -291,6 +294,17 @@ def run_seed(corpus_seed: int, args, base_dir: str) -> dict:
             "seconds": time.perf_counter() - start}
 
 
+def ci_text(values: list[float]) -> str:
+    """``mean [low, high] (n)``: per-example values (NaN, a constant ranking, left out) with a bootstrap 95% CI."""
+    from raycurate.algorithms.stats import bootstrap_mean_ci
+
+    kept = np.asarray([v for v in values if np.isfinite(v)], dtype=np.float64)
+    if not len(kept):
+        return "n/a (0)"
+    e = bootstrap_mean_ci(kept)
+    return f"{e.value:.3f} [{e.low:.3f}, {e.high:.3f}] ({e.n})"
+
+
 def report(result: dict) -> None:
     fid, t = result["fidelity"], result["fidelity"]["table"]
     print(f"--- corpus seed {result['seed']}: warmup {result['warmup_rows']} rows (last loss "
@@ -301,6 +315,8 @@ def report(result: dict) -> None:
         r = t[key]
         print(f"  {key[0]:<9}{key[1]:<15}{r['spearman']:>8.3f}{r['top_b_overlap']:>7.3f}{r['jaccard']:>8.3f}"
               f"{r['normalized_regret']:>8.3f}")
+    for key, values in fid["per_example"].items():
+        print(f"  prompt Spearman {key}: {ci_text(values)} over examples")
     e = fid["extra"]
     print(f"  exact knock-out vs leave-one-out {e['knockout_vs_loo']:.3f}; vs exact knock-out: knockout_grad "
           f"{e['knockout_grad_vs_knockout']:.3f}, routing {e['routing_vs_knockout']:.3f}")
@@ -358,6 +374,9 @@ def main() -> None:
     spear = {proxy: [r["fidelity"]["table"][("prompt", proxy)]["spearman"] for r in results]
              for proxy in ("attention_x_a", "knockout_grad")}
     ratio = {proxy: [r["drops"][proxy]["ratio"] for r in results] for proxy in ("routing", "knockout_grad")}
+    for key in ("routing_vs_loo", "knockout_grad_vs_loo"):
+        print(f"prompt Spearman {key}, examples of all seeds: "
+              + ci_text([v for r in results for v in r["fidelity"]["per_example"][key]]))
     print(f"seeds {args.corpus_seeds} (mean+-sd over seeds)")
     print(f"routing_spearman={mean_sd(spear['attention_x_a'])} knockout_spearman={mean_sd(spear['knockout_grad'])} "
           f"routing_drop_ratio={mean_sd(ratio['routing'])} knockout_drop_ratio={mean_sd(ratio['knockout_grad'])}")
