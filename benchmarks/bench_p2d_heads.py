@@ -3,8 +3,8 @@
 The P2D paper reports ~91% overlap of the top heads across proxy runs.  This script reuses a finished run
 directory's ``base_model`` and ``tokenize`` stages (e.g. the demo's), trains one proxy per seed on its own seeded
 ``proxy_examples`` sample (stages ``p2d_proxy_rows_s<seed>``, ``p2d_proxy_s<seed>``, ``p2d_heads_s<seed>``, cached
-like every stage) and reports the pairwise overlap |A & B| / |A| of the selected heads and the Spearman
-correlation of the full score maps.  Usage::
+like every stage; in a P2D run's directory, seed ``p2d.seed`` reads the run's own ``p2d_heads``) and reports the
+pairwise overlap |A & B| / |A| of the selected heads and the Spearman correlation of the full score maps.  Usage::
 
     python benchmarks/bench_p2d_heads.py --run-dir runs/demo [--seeds 0 1 2] [key=value overrides of the demo job]
     python benchmarks/bench_p2d_heads.py --job jobs/real_proving_ground.yaml \
@@ -39,11 +39,9 @@ def main() -> None:
 
     from raycurate.algorithms.head_scoring import head_overlap
     from raycurate.cli.main import _load_job, demo_job_path
-    from raycurate.config.train import full_batch_train_config
     from raycurate.rundir import RunDir
     from raycurate.stages.base import output_path
-    from raycurate.stages.model_stages import train_stage
-    from raycurate.stages.p2d import heads_stage, ids_subset_stage, seeded_sample, token_ids
+    from raycurate.stages.p2d import token_ids
     from raycurate.stages.runtime import init_ray
 
     cfg = _load_job(args.job or demo_job_path(), args.overrides)
@@ -53,15 +51,13 @@ def main() -> None:
     masks, scores = {}, {}
     for seed in args.seeds:
         p2d = dataclasses.replace(cfg.p2d, seed=seed)
-        ids = seeded_sample(pool, min(p2d.proxy_examples, len(pool)), seed)
-        ids_subset_stage(run, f"p2d_proxy_rows_s{seed}", tokens_stage="tokenize", ids=ids,
-                         description=f"proxy sample, seed {seed}")
-        proxy_cfg = full_batch_train_config(cfg.train, len(ids), p2d.proxy_steps, p2d.proxy_lr)
-        train_stage(run, f"p2d_proxy_s{seed}", tokens_stage=f"p2d_proxy_rows_s{seed}", init_stage="base_model",
-                    train_cfg=proxy_cfg)
-        heads_stage(run, f"p2d_heads_s{seed}", base_stage="base_model", proxy_stage=f"p2d_proxy_s{seed}",
-                    task_model=None, p2d_cfg=p2d)
-        data = json.loads(output_path(run, f"p2d_heads_s{seed}", "heads").read_text())
+        stage = f"p2d_heads_s{seed}"
+        if reuses_pipeline_heads(run, cfg.p2d, seed):
+            stage = "p2d_heads"
+            print(f"seed {seed}: the run's own p2d_heads (its proxy is this seed's)")
+        else:
+            train_seed_proxy(run, cfg, p2d, pool, seed)
+        data = json.loads(output_path(run, stage, "heads").read_text())
         shape = (data["n_layers"], data["n_heads"])
         masks[seed] = torch.tensor([h["selected"] for h in data["heads"]]).reshape(shape)
         scores[seed] = np.array([h["score"] for h in data["heads"]])
@@ -74,6 +70,31 @@ def main() -> None:
     print(f"head_overlap_mean={np.mean(overlaps):.3f} head_overlap_min={np.min(overlaps):.3f} "
           f"score_spearman_mean={np.mean(rhos):.3f} heads={masks[args.seeds[0]].numel()} "
           f"selected={int(masks[args.seeds[0]].sum())}")
+
+
+def reuses_pipeline_heads(run, p2d_cfg, seed: int) -> bool:
+    """Whether the run's own ``p2d_heads`` (a P2D pipeline's, proxy on ``tokenize``'s seeded sample) is this seed's
+    result, so its proxy (~16 CPU-min on SmolLM2-135M) is not trained twice."""
+    record = run.stage_record("p2d_heads")
+    return (seed == p2d_cfg.seed and p2d_cfg.pool_split is None and p2d_cfg.task_model is None
+            and bool(record) and record.get("status") == "done")
+
+
+def train_seed_proxy(run, cfg, p2d, pool: list[str], seed: int) -> None:
+    """Stages ``p2d_proxy_rows_s<seed>``, ``p2d_proxy_s<seed>`` and ``p2d_heads_s<seed>``: the proxy recipe on the
+    seed's own sample of ``pool``."""
+    from raycurate.config.train import full_batch_train_config
+    from raycurate.stages.model_stages import train_stage
+    from raycurate.stages.p2d import heads_stage, ids_subset_stage, seeded_sample
+
+    ids = seeded_sample(pool, min(p2d.proxy_examples, len(pool)), seed)
+    ids_subset_stage(run, f"p2d_proxy_rows_s{seed}", tokens_stage="tokenize", ids=ids,
+                     description=f"proxy sample, seed {seed}")
+    proxy_cfg = full_batch_train_config(cfg.train, len(ids), p2d.proxy_steps, p2d.proxy_lr)
+    train_stage(run, f"p2d_proxy_s{seed}", tokens_stage=f"p2d_proxy_rows_s{seed}", init_stage="base_model",
+                train_cfg=proxy_cfg)
+    heads_stage(run, f"p2d_heads_s{seed}", base_stage="base_model", proxy_stage=f"p2d_proxy_s{seed}",
+                task_model=None, p2d_cfg=p2d)
 
 
 if __name__ == "__main__":
