@@ -3,8 +3,9 @@
 The P2D paper reports ~91% overlap of the top heads across proxy runs.  This script reuses a finished run
 directory's ``base_model`` and ``tokenize`` stages (e.g. the demo's), trains one proxy per seed on its own seeded
 ``proxy_examples`` sample (stages ``p2d_proxy_rows_s<seed>``, ``p2d_proxy_s<seed>``, ``p2d_heads_s<seed>``, cached
-like every stage; in a P2D run's directory, seed ``p2d.seed`` reads the run's own ``p2d_heads``) and reports the
-pairwise overlap |A & B| / |A| of the selected heads and the Spearman correlation of the full score maps.  Usage::
+like every stage; seed ``p2d.seed`` reads a finished P2D run's ``p2d_heads``, ``--p2d-run`` or ``--run-dir``) and
+reports the pairwise overlap |A & B| / |A| of the selected heads and the Spearman correlation of the full score
+maps.  Usage::
 
     python benchmarks/bench_p2d_heads.py --run-dir runs/demo [--seeds 0 1 2] [key=value overrides of the demo job]
     python benchmarks/bench_p2d_heads.py --job jobs/real_proving_ground.yaml \
@@ -30,6 +31,9 @@ def main() -> None:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--job", type=Path, default=None, help="job YAML that made --run-dir (default: the demo job)")
+    parser.add_argument("--p2d-run", type=Path, default=None,
+                        help="a P2D run of the same job and corpus whose p2d_heads stands for seed p2d.seed "
+                             "(default: --run-dir itself)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
@@ -46,18 +50,19 @@ def main() -> None:
 
     cfg = _load_job(args.job or demo_job_path(), args.overrides)
     run = RunDir(Path(args.run_dir))
+    p2d_run = RunDir(args.p2d_run) if args.p2d_run else run
     init_ray()
     pool = token_ids(run, "tokenize")
     masks, scores = {}, {}
     for seed in args.seeds:
         p2d = dataclasses.replace(cfg.p2d, seed=seed)
-        stage = f"p2d_heads_s{seed}"
-        if reuses_pipeline_heads(run, cfg.p2d, seed):
-            stage = "p2d_heads"
-            print(f"seed {seed}: the run's own p2d_heads (its proxy is this seed's)")
+        heads_file = output_path(run, f"p2d_heads_s{seed}", "heads")
+        if reuses_pipeline_heads(p2d_run, cfg.p2d, seed):
+            heads_file = output_path(p2d_run, "p2d_heads", "heads")
+            print(f"seed {seed}: {p2d_run.root}'s own p2d_heads (its proxy is this seed's)")
         else:
             train_seed_proxy(run, cfg, p2d, pool, seed)
-        data = json.loads(output_path(run, stage, "heads").read_text())
+        data = json.loads(heads_file.read_text())
         shape = (data["n_layers"], data["n_heads"])
         masks[seed] = torch.tensor([h["selected"] for h in data["heads"]]).reshape(shape)
         scores[seed] = np.array([h["score"] for h in data["heads"]])
