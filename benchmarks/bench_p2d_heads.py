@@ -9,7 +9,9 @@ maps.  Usage::
 
     python benchmarks/bench_p2d_heads.py --run-dir runs/demo [--seeds 0 1 2] [key=value overrides of the demo job]
     python benchmarks/bench_p2d_heads.py --job jobs/real_proving_ground.yaml \
-        --run-dir runs/real_proving_ground/seed-0 train.threads_per_worker=1     # SmolLM2-135M (issue #25)
+        --run-dir runs/real_proving_ground/seed-0 train.threads_per_worker=1 --seeds 0 1 2   # SmolLM2-135M (#25)
+
+(overrides before ``--seeds``, which takes every number after it).
 
 ``--job`` (default the demo job) must be the job that made ``--run-dir``: the proxies train with its ``train`` and
 ``p2d`` settings on its ``tokenize`` rows.
@@ -56,12 +58,12 @@ def main() -> None:
     masks, scores = {}, {}
     for seed in args.seeds:
         p2d = dataclasses.replace(cfg.p2d, seed=seed)
-        heads_file = output_path(run, f"p2d_heads_s{seed}", "heads")
         if reuses_pipeline_heads(p2d_run, cfg.p2d, seed):
             heads_file = output_path(p2d_run, "p2d_heads", "heads")
             print(f"seed {seed}: {p2d_run.root}'s own p2d_heads (its proxy is this seed's)")
         else:
             train_seed_proxy(run, cfg, p2d, pool, seed)
+            heads_file = output_path(run, f"p2d_heads_s{seed}", "heads")
         data = json.loads(heads_file.read_text())
         shape = (data["n_layers"], data["n_heads"])
         masks[seed] = torch.tensor([h["selected"] for h in data["heads"]]).reshape(shape)
