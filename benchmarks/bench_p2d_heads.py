@@ -7,7 +7,7 @@ like every stage; seed ``p2d.seed`` reads a finished P2D run's ``p2d_heads``, ``
 reports the pairwise overlap |A & B| / |A| of the selected heads and the Spearman correlation of the full score
 maps.  Usage::
 
-    python benchmarks/bench_p2d_heads.py --run-dir runs/demo [--seeds 0 1 2] [key=value overrides of the demo job]
+    python benchmarks/bench_p2d_heads.py --run-dir runs/demo [key=value overrides of the demo job] [--seeds 0 1 2]
     python benchmarks/bench_p2d_heads.py --job jobs/real_proving_ground.yaml \
         --run-dir runs/real_proving_ground/seed-0 train.threads_per_worker=1 --seeds 0 1 2   # SmolLM2-135M (#25)
 
