@@ -64,3 +64,28 @@ def test_missing_input_and_bad_override_exit_with_a_message(tmp_path, capsys):
     capsys.readouterr()
     assert main(["demo", "--out", str(tmp_path / "d"), "train.zero_stage=7"]) == 2
     assert "train.zero_stage: 7 is not one of [0, 1, 2, 3]" in capsys.readouterr().err
+
+
+def test_ray_out_of_memory_ends_in_one_line_that_says_what_to_do(monkeypatch, capsys):
+    import ray.exceptions
+
+    import raycurate.cli.main as cli
+
+    def killed(args):
+        oom = ray.exceptions.OutOfMemoryError(
+            "Task was killed due to the node running low on memory.\nMemory on the node (IP: 10.0.0.1) was "
+            "22.17GB used / 23.54GB limit (0.941790)")
+        raise RuntimeError("stage train_bridge failed") from oom
+
+    monkeypatch.setattr(cli, "cmd_demo", killed)
+    assert main(["demo"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ran out of memory (node memory 22.17GB of 23.54GB)" in err
+    assert "run the same command again" in err
+
+    def other(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "cmd_demo", other)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["demo"])

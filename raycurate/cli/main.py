@@ -338,6 +338,26 @@ def one_line(exc: BaseException) -> str:
     return " | ".join(part.strip() for part in str(exc).splitlines() if part.strip()) or type(exc).__name__
 
 
+def ray_out_of_memory(exc: BaseException) -> str | None:
+    """One line for a Ray ``OutOfMemoryError`` anywhere in ``exc``'s chain (Ray's memory monitor killed a worker),
+    with what to do; ``None`` for any other error."""
+    import re
+
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if any(cls.__name__ == "OutOfMemoryError" and cls.__module__.startswith("ray")
+               for cls in type(current).__mro__):
+            usage = re.search(r"was ([\d.]+GB) used / ([\d.]+GB) limit", str(current))
+            where = f" (node memory {usage.group(1)} of {usage.group(2)})" if usage else ""
+            return (f"Ray stopped a worker because the machine ran out of memory{where}. Run fewer jobs beside this "
+                    "one or give it smaller batches (eval.batch_size, bridge.micro_batch, train.micro_batch_size), "
+                    "then run the same command again: finished stages are kept and skipped")
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a :class:`~raycurate.errors.UserError` (bad config, input, path, storage, lock) ends in
     one line ``raycurate: ...`` on stderr and exit code 2, never a traceback."""
@@ -350,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, FileNotFoundError) as exc:
         print(f"raycurate: {one_line(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        message = ray_out_of_memory(exc)
+        if message is None:
+            raise
+        print(f"raycurate: {message}", file=sys.stderr)
+        return 3
     finally:
         release_locks()
 
