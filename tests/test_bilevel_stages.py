@@ -78,7 +78,7 @@ def test_auroc_by_kind_and_bootstrap_interval_by_hand():
 
 
 def test_label_separation_reports_each_kind_and_the_score_without_near_duplicates():
-    from raycurate.stages.bilevel import label_separation
+    from raycurate.algorithms.ranking import label_separation
 
     # 6 clean rows score 1..6; truncated rows score 0 (always below), near-duplicates 3.5 (mid-way).
     scores = np.array([1, 2, 3, 4, 5, 6, 0, 0, 3.5, 3.5], dtype=float)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raycurate.config.train import TrainConfig, full_batch_train_config
-from raycurate.stages.p2d import aer_table, precision, seeded_sample, selection_rows
+from raycurate.stages.p2d import aer_table, precision, score_separation, seeded_sample, selection_rows
 
 
 def test_seeded_sample_is_reproducible_sorted_and_distinct():
@@ -46,3 +46,14 @@ def test_aer_is_selection_plus_adaptation_over_full_sft():
     assert aer["aer"] == pytest.approx((10 + 30 + 20) / 120)
     with pytest.raises(ValueError, match="train_full"):
         aer_table(seconds, selection_stages=[], adaptation_stage="train_p2d", full_sft_stage="train_full")
+
+
+def test_score_separation_is_the_auroc_of_s_final_over_labelled_rows():
+    ids = ["a", "b", "c", "d", "e"]
+    labels = {"a": True, "b": False, "c": True, "d": False, "e": None}  # e: unlabelled, left out
+    kinds = {"a": "none", "b": "swapped_entity", "c": "none", "d": "truncated", "e": "none"}
+    out = score_separation(ids, [0.9, 0.1, 0.4, 0.5, 0.0], labels, kinds, seed=0)
+    # clean scores {0.9, 0.4} vs corrupted {0.1, 0.5}: 3 of 4 pairs ordered -> 0.75
+    assert out["auroc"] == 0.75
+    assert out["auroc_by_kind"]["swapped_entity"]["auroc"] == 1.0 and out["auroc_by_kind"]["truncated"]["auroc"] == 0.5
+    assert score_separation(ids, [0.0] * 5, {"a": True}, kinds, seed=0) == {}  # one class only

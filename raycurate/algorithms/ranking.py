@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -248,6 +249,39 @@ def auroc_by_kind(scores: np.ndarray, kinds: np.ndarray, clean_kind: str = "none
     for kind in sorted(set(k[~clean].tolist())):
         rows = clean | (k == kind)
         out[kind] = auroc(s[rows], clean[rows])
+    return out
+
+
+def label_separation(scores: np.ndarray, clean: np.ndarray, kinds: np.ndarray, seed: int,
+                     resamples: int = 1000) -> dict[str, Any]:
+    """How well ``scores`` (N,) rank the clean rows above the corrupted ones: overall, per corruption kind and
+    without near-duplicates, each AUROC with a seeded 95% bootstrap interval.
+
+    Args:
+        scores: (N,) scores, higher = more likely clean.
+        clean: (N,) bool ground truth.
+        kinds: (N,) str corruption kind (``"none"`` on clean rows).
+        seed: Seed of the bootstrap generator.
+        resamples: Bootstrap resamples per interval.
+
+    Returns:
+        ``auroc``, ``auroc_ci95``, ``auroc_by_kind`` ({kind: {auroc, ci95, rows}}) and, when there are
+        near-duplicates and other corruptions, ``auroc_excluding_near_duplicate`` (+ ``_ci95``).
+    """
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {"auroc": auroc(scores, clean),
+                           "auroc_ci95": list(bootstrap_auroc_ci(scores, clean, rng, resamples))}
+    by_kind = {}
+    for kind, value in auroc_by_kind(scores, np.where(clean, "none", kinds)).items():
+        rows = clean | (kinds == kind)
+        by_kind[kind] = {"auroc": value, "rows": int((kinds[~clean] == kind).sum()),
+                         "ci95": list(bootstrap_auroc_ci(scores[rows], clean[rows], rng, resamples))}
+    out["auroc_by_kind"] = by_kind
+    keep = kinds != "near_duplicate"
+    if (~keep).any() and (~clean[keep]).any():
+        out["auroc_excluding_near_duplicate"] = auroc(scores[keep], clean[keep])
+        out["auroc_excluding_near_duplicate_ci95"] = list(bootstrap_auroc_ci(scores[keep], clean[keep], rng,
+                                                                             resamples))
     return out
 
 

@@ -122,9 +122,13 @@ def selection_quality(manifest: dict, model: str) -> dict[str, Any]:
         m = (stages.get("p2d_select") or {}).get("metrics") or {}
         if m.get("precision_selected") is not None and m.get("selected"):
             ci = _share_ci(m["precision_selected"], int(m["selected"]))
+            auroc = ""
+            if m.get("auroc") is not None:
+                low, high = m.get("auroc_ci95") or (float("nan"), float("nan"))
+                auroc = f"; AUROC of s_final, clean vs corrupted, {m['auroc']:.2f} [{low:.2f}, {high:.2f}]"
             return {"kind": "precision (clean share) of selected vs pool", "value": m["precision_selected"],
                     "low": ci.low, "high": ci.high, "reference": m.get("precision_pool"),
-                    "budget": f"{m.get('selected')} of {m.get('pool')} rows"}
+                    "budget": f"{m.get('selected')} of {m.get('pool')} rows{auroc}"}
     if model.startswith("bilevel_"):
         info = ((manifest.get("bilevel") or {}).get("methods") or {}).get(model.removeprefix("bilevel_")) or {}
         if info.get("auroc") is not None:

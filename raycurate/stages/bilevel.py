@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raycurate.algorithms.ranking import auroc
+from raycurate.algorithms.ranking import auroc, label_separation
 from raycurate.config.bilevel import BilevelConfig
 from raycurate.config.train import TrainConfig
 from raycurate.rundir import RunDir
@@ -425,42 +425,6 @@ def weight_analysis(run: RunDir, bds_stage_name: str, candidate_stage: str, top:
     info["top"] = [describe(i) for i in order[:top]]
     info["bottom"] = [describe(i) for i in order[::-1][:top]]
     return info
-
-
-def label_separation(scores: Any, clean: Any, kinds: Any, seed: int, resamples: int = 1000) -> dict:
-    """How well ``scores`` (N,) rank the clean rows above the corrupted ones: overall, per corruption kind and
-    without near-duplicates, each AUROC with a seeded 95% bootstrap interval.
-
-    Args:
-        scores: (N,) scores, higher = more likely clean.
-        clean: (N,) bool ground truth.
-        kinds: (N,) str corruption kind (``"none"`` on clean rows).
-        seed: Seed of the bootstrap generator.
-        resamples: Bootstrap resamples per interval.
-
-    Returns:
-        ``auroc``, ``auroc_ci95``, ``auroc_by_kind`` ({kind: {auroc, ci95, rows}}) and, when there are
-        near-duplicates and other corruptions, ``auroc_excluding_near_duplicate`` (+ ``_ci95``).
-    """
-    import numpy as np
-
-    from raycurate.algorithms.ranking import auroc_by_kind, bootstrap_auroc_ci
-
-    rng = np.random.default_rng(seed)
-    out: dict[str, Any] = {"auroc": auroc(scores, clean),
-                           "auroc_ci95": list(bootstrap_auroc_ci(scores, clean, rng, resamples))}
-    by_kind = {}
-    for kind, value in auroc_by_kind(scores, np.where(clean, "none", kinds)).items():
-        rows = clean | (kinds == kind)
-        by_kind[kind] = {"auroc": value, "rows": int((kinds[~clean] == kind).sum()),
-                         "ci95": list(bootstrap_auroc_ci(scores[rows], clean[rows], rng, resamples))}
-    out["auroc_by_kind"] = by_kind
-    keep = kinds != "near_duplicate"
-    if (~keep).any() and (~clean[keep]).any():
-        out["auroc_excluding_near_duplicate"] = auroc(scores[keep], clean[keep])
-        out["auroc_excluding_near_duplicate_ci95"] = list(bootstrap_auroc_ci(scores[keep], clean[keep], rng,
-                                                                             resamples))
-    return out
 
 
 def label_columns(run: RunDir, stage: str) -> list[str]:

@@ -398,6 +398,32 @@ def clean_labels(run: RunDir, tokens_stage: str) -> dict[str, Any]:
     return {r["id"]: (r["label"] or {}).get("clean") for r in rows}
 
 
+def corruption_kinds(run: RunDir, tokens_stage: str) -> dict[str, str]:
+    """``id -> label.corruption`` (``"none"`` on clean rows) where the token table carries labels, else ``{}``."""
+    path = output_path(run, tokens_stage, "tokens")
+    try:
+        rows = read_token_rows(path, ["id", "label"])
+    except Exception:  # noqa: BLE001 - user data has no label column
+        return {}
+    return {r["id"]: str((r["label"] or {}).get("corruption") or "none") for r in rows}
+
+
+def score_separation(ids: list[str], scores: Any, labels: dict[str, Any], kinds: dict[str, str],
+                     seed: int) -> dict[str, Any]:
+    """AUROC of the selection score (N,) separating clean from corrupted rows, overall and per corruption kind,
+    with seeded bootstrap intervals (``algorithms.ranking.label_separation``); ``{}`` without both classes."""
+    import numpy as np
+
+    from raycurate.algorithms.ranking import label_separation
+
+    known = [i for i, example_id in enumerate(ids) if labels.get(example_id) is not None]
+    clean = np.array([bool(labels[ids[i]]) for i in known], dtype=bool)
+    if clean.all() or not clean.any():
+        return {}
+    kind = np.array([kinds.get(ids[i], "none") if not clean[j] else "none" for j, i in enumerate(known)])
+    return label_separation(np.asarray(scores, dtype=np.float64)[known], clean, kind, seed)
+
+
 def precision(chosen: list[str], labels: dict[str, Any]) -> float | None:
     """Share of clean rows among ``chosen`` (None without labels)."""
     known = [labels[i] for i in chosen if labels.get(i) is not None]
@@ -406,7 +432,9 @@ def precision(chosen: list[str], labels: dict[str, Any]) -> float | None:
 
 def select_stage(run: RunDir, stage: str, *, pool_stage: str, probe_stage_name: str, p2d_cfg: P2DConfig,
                  force: bool = False) -> dict:
-    """Top rho_D of the pool by s_final; writes ``selection.parquet`` (every pool row with its reason)."""
+    """Top rho_D of the pool by s_final; writes ``selection.parquet`` (every pool row with its reason).  With
+    labels, the metrics hold the precision of the selection, of the random_data sample and of the pool, and the
+    AUROC of s_final (clean vs corrupted, per kind, with bootstrap intervals)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -423,7 +451,8 @@ def select_stage(run: RunDir, stage: str, *, pool_stage: str, probe_stage_name: 
         random = seeded_sample(ids, len(chosen), p2d_cfg.seed + 1)  # the random_data baseline's sample
         return StageOutput(outputs={"selection": "selection.parquet"}, metrics={
             "pool": len(ids), "selected": len(chosen), "precision_selected": precision(sorted(chosen), labels),
-            "precision_random": precision(random, labels), "precision_pool": precision(ids, labels)})
+            "precision_random": precision(random, labels), "precision_pool": precision(ids, labels),
+            **score_separation(ids, scores, labels, corruption_kinds(run, pool_stage), p2d_cfg.seed)})
 
     return run_stage(run, stage, body, config={"data_ratio": p2d_cfg.data_ratio},
                      upstream=[pool_stage, probe_stage_name], force=force)
