@@ -388,24 +388,24 @@ def selection_rows(ids: list[str], scores: Any, chosen: set[str], labels: dict[s
     return rows
 
 
-def clean_labels(run: RunDir, tokens_stage: str) -> dict[str, Any]:
-    """``id -> label.clean`` where the token table carries ground-truth labels (the embedded corpus)."""
+def label_values(run: RunDir, tokens_stage: str, key: str) -> dict[str, Any]:
+    """``id -> label[key]`` where the token table carries ground-truth labels (the embedded corpus), else ``{}``."""
     path = output_path(run, tokens_stage, "tokens")
     try:
         rows = read_token_rows(path, ["id", "label"])
     except Exception:  # noqa: BLE001 - user data has no label column
         return {}
-    return {r["id"]: (r["label"] or {}).get("clean") for r in rows}
+    return {r["id"]: (r["label"] or {}).get(key) for r in rows}
+
+
+def clean_labels(run: RunDir, tokens_stage: str) -> dict[str, Any]:
+    """``id -> label.clean`` (``{}`` without labels)."""
+    return label_values(run, tokens_stage, "clean")
 
 
 def corruption_kinds(run: RunDir, tokens_stage: str) -> dict[str, str]:
-    """``id -> label.corruption`` (``"none"`` on clean rows) where the token table carries labels, else ``{}``."""
-    path = output_path(run, tokens_stage, "tokens")
-    try:
-        rows = read_token_rows(path, ["id", "label"])
-    except Exception:  # noqa: BLE001 - user data has no label column
-        return {}
-    return {r["id"]: str((r["label"] or {}).get("corruption") or "none") for r in rows}
+    """``id -> label.corruption``, ``"none"`` on clean rows (``{}`` without labels)."""
+    return {i: str(kind or "none") for i, kind in label_values(run, tokens_stage, "corruption").items()}
 
 
 def score_separation(ids: list[str], scores: Any, labels: dict[str, Any], kinds: dict[str, str],
