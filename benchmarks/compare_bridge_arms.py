@@ -60,7 +60,7 @@ def over_runs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> str:
     replicate runs in ``--runs`` (a corpus seed trained with another ``train.seed``) includes training noise."""
     from raycurate.algorithms.stats import t_interval_over_runs
 
-    e = t_interval_over_runs(np.array([a.mean() - b.mean() for a, b in pairs])) if len(pairs) >= 3 else None
+    e = t_interval_over_runs(np.array([a.mean() - b.mean() for a, b in pairs]))
     return "" if e is None else f"; over {e.n} runs {e.value:+.3f} [{e.low:+.3f}, {e.high:+.3f}]"
 
 

@@ -31,17 +31,20 @@ def test_warmup_epochs_zero_scores_at_the_base_model(monkeypatch, epochs, theta_
     assert calls == {"train": trained, "direction": [theta_bar], "score": [theta_bar]}
 
 
-def test_full_batch_warmup_takes_the_minibatch_step_count_on_the_whole_split(monkeypatch):
-    import raycurate.stages.p2d as p2d_stages
+def test_full_batch_warmup_takes_the_minibatch_step_count_on_the_whole_split():
     from raycurate.config.bridge import BridgeConfig
     from raycurate.config.train import TrainConfig
     from raycurate.pipelines.bridge import warmup_train_config
 
-    monkeypatch.setattr(p2d_stages, "token_ids", lambda run, stage: [f"r{i}" for i in range(139)])
+    class Run:  # the warmup split's filter stage recorded 139 kept rows
+        def stage_record(self, stage):
+            assert stage == "bridge_warmup_rows"
+            return {"status": "done", "metrics": {"rows_in": 2713, "rows_kept": 139}}
+
     train = TrainConfig(num_workers=1, micro_batch_size=8, effective_batch_size=32, lr=1e-3, seed=5)
-    minibatch = warmup_train_config(None, train, BridgeConfig(warmup_epochs=2))  # type: ignore[arg-type]
+    minibatch = warmup_train_config(Run(), train, BridgeConfig(warmup_epochs=2))  # type: ignore[arg-type]
     assert (minibatch.epochs, minibatch.max_steps, minibatch.effective_batch_size) == (2, None, 32)
-    full = warmup_train_config(None, train, BridgeConfig(warmup_epochs=2, warmup_batch="full"))  # type: ignore[arg-type]
+    full = warmup_train_config(Run(), train, BridgeConfig(warmup_epochs=2, warmup_batch="full"))  # type: ignore[arg-type]
     # 139 // 32 = 4 minibatch steps per epoch -> 8 full-batch steps; 139 is prime, so 139 micro-batches of 1
     assert (full.max_steps, full.effective_batch_size, full.micro_batch_size, full.lr) == (8, 139, 1, 1e-3)
     assert full.warmup_ratio == 0.0 and full.seed == 5

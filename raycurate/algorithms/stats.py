@@ -129,11 +129,11 @@ def t_interval_over_runs(differences: np.ndarray, *, level: float = 0.95) -> Est
         differences: (R,) one mean difference (treatment minus control) per run.
         level: Interval coverage.
     """
-    from scipy.stats import t as student_t
-
     d = _as_vector(differences, "differences")
     if len(d) < 3:
         return None
+    from scipy.stats import t as student_t
+
     half = float(student_t.ppf(0.5 + level / 2.0, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))
     return Estimate(float(d.mean()), float(d.mean() - half), float(d.mean() + half), len(d))
 

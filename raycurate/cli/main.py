@@ -343,12 +343,13 @@ def ray_out_of_memory(exc: BaseException) -> str | None:
     with what to do; ``None`` for any other error."""
     import re
 
+    from ray.exceptions import OutOfMemoryError
+
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if any(cls.__name__ == "OutOfMemoryError" and cls.__module__.startswith("ray")
-               for cls in type(current).__mro__):
+        if isinstance(current, OutOfMemoryError):
             usage = re.search(r"was ([\d.]+GB) used / ([\d.]+GB) limit", str(current))
             where = f" (node memory {usage.group(1)} of {usage.group(2)})" if usage else ""
             return (f"Ray stopped a worker because the machine ran out of memory{where}. Run fewer jobs beside this "

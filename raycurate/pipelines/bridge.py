@@ -73,9 +73,9 @@ def warmup_train_config(run: RunDir, train_cfg: Any, bridge_cfg: Any) -> Any:
     if bridge_cfg.warmup_batch == "minibatch":
         return dataclasses.replace(train_cfg, epochs=bridge_cfg.warmup_epochs, max_steps=None)
     from raycurate.config.train import full_batch_train_config
-    from raycurate.stages.p2d import token_ids
 
-    warmup_rows = len(token_ids(run, "bridge_warmup_rows"))
+    record = run.stage_record("bridge_warmup_rows") or {}  # the filter stage that ran just before counted its rows
+    warmup_rows = int(record["metrics"]["rows_kept"])
     steps = bridge_cfg.warmup_epochs * max(1, warmup_rows // train_cfg.effective_batch_size)
     return full_batch_train_config(train_cfg, warmup_rows, steps, train_cfg.lr,
                                    rows_key="the warmup split of bridge.warmup_batch=full")

@@ -95,8 +95,7 @@ def summarize_seeds(per_seed: dict[int | str, tuple[str, dict[str, Any]]]) -> di
         runs = [s for s, (_, scores) in per_seed.items() if a in scores and b in scores]
         pairs = [(per_seed[s][1][a], per_seed[s][1][b]) for s in runs]
         estimates = {s: paired_bootstrap_ci(*pair) for s, pair in zip(runs, pairs)}
-        over_runs = t_interval_over_runs(np.array([np.mean(x) - np.mean(y) for x, y in pairs])) \
-            if len(pairs) >= 3 else None
+        over_runs = t_interval_over_runs(np.array([np.mean(x) - np.mean(y) for x, y in pairs]))
         comparisons[name] = {"per_seed": {str(s): e.as_dict() for s, e in estimates.items()},
                              "pooled": stratified_paired_bootstrap_ci(pairs).as_dict(),
                              "over_runs": over_runs.as_dict() if over_runs else None,
