@@ -10,9 +10,13 @@ scoring actors; ``--keep-denormals`` turns it off): without it the attention and
 pass hit slow denormal arithmetic on CPU.  Informational rows time the utilities with gradients restricted to the
 last 1 and 2 layers.  ``--layers N`` (default 16) adds the paper's shape, L = ``--last-layers`` (4) scoring
 layers of a deeper model: the same tiny-llama geometry with N layers (seeded init), timed forward vs utilities on
-the same batch, interleaved with the rest (Llama-3.2-3B is L = 4 of 28).  Usage::
+the same batch, interleaved with the rest (Llama-3.2-3B is L = 4 of 28).  ``--deep-geometry smollm2-135m``
+gives the deeper model SmolLM2-135M's shape instead (30 layers, hidden 576, 9 query / 3 KV heads of 64, MLP 1,536,
+49,152-token tied vocabulary; random weights), and ``--deep-dtype bfloat16`` runs it in bf16 (the dtype a bf16
+checkpoint scores in); that row also prints the utilities' supervised tokens per second per thread.  Usage::
 
     python benchmarks/bench_token_utility.py [--batch 2] [--prompt 64] [--repeats 9] [--threads 2] [--layers 16]
+    python benchmarks/bench_token_utility.py --layers 30 --deep-geometry smollm2-135m [--deep-dtype bfloat16]
 
 The line before the last reports the knock-out prompt proxy (``bridge.prompt_proxy=knockout_grad``, one
 double-backward pass over per-token key scales, all prompt tokens at once) relative to the routing proxy (one
@@ -62,18 +66,26 @@ def build(seed: int):
     return tokenizer, build_tiny_model("tiny-llama", tokenizer, seed)
 
 
-def build_deep(tokenizer, layers: int, seed: int):
-    """tiny-llama's geometry with ``layers`` layers (seeded init, eval mode)."""
-    from transformers import AutoModelForCausalLM
+SMOLLM2_135M_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+                      "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True,
+                      "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5}
+
+
+def build_deep(tokenizer, layers: int, seed: int, geometry: str = "tiny-llama", dtype: torch.dtype = torch.float32):
+    """A ``layers``-layer Llama with tiny-llama's geometry or SmolLM2-135M's (seeded init, eval mode)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from raycurate.models.tiny import tiny_config
 
-    config = tiny_config("tiny-llama", tokenizer)
-    config.num_hidden_layers = layers
+    if geometry == "smollm2-135m":
+        config = LlamaConfig(num_hidden_layers=layers, pad_token_id=tokenizer.pad_token_id, **SMOLLM2_135M_SHAPE)
+    else:
+        config = tiny_config("tiny-llama", tokenizer)
+        config.num_hidden_layers = layers
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    return model.eval()
+    return model.to(dtype).eval()
 
 
 def direction_for(model, val_batch: dict[str, torch.Tensor], seed: int, last_layers: int = 4) -> dict:
@@ -108,6 +120,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=16, help="layers of the deeper model (0: skip it)")
     parser.add_argument("--last-layers", type=int, default=4, help="scoring layers L on the deeper model")
+    parser.add_argument("--deep-geometry", choices=("tiny-llama", "smollm2-135m"), default="tiny-llama",
+                        help="shape of the deeper model")
+    parser.add_argument("--deep-dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     if args.layers and not 1 <= args.last_layers <= args.layers:
         parser.error(f"--last-layers must be in [1, --layers={args.layers}]")
@@ -145,7 +160,7 @@ def main() -> None:
     timed = {"forward": forward, "utility": utility, "routing": routing, "knockout": knockout}
     timed.update({f"L{layers}": (lambda d=d: tu.token_utilities(model, *inputs, d)) for layers, d in shallow.items()})
     if args.layers:
-        deep = build_deep(tokenizer, args.layers, args.seed)
+        deep = build_deep(tokenizer, args.layers, args.seed, args.deep_geometry, getattr(torch, args.deep_dtype))
         deep_direction = direction_for(deep, val_batch, args.seed, args.last_layers)
 
         def deep_forward() -> None:
@@ -193,8 +208,10 @@ def main() -> None:
     deep_key = ""
     if args.layers:
         deep_ratio = best["deep_utility"] / best["deep_forward"]
-        print(f"{args.layers}-layer tiny-llama geometry: forward {best['deep_forward']:.4f} s, JVP utilities "
-              f"L={args.last_layers} {best['deep_utility']:.4f} s, ratio {deep_ratio:.2f}")
+        per_thread = n_tokens / best["deep_utility"] / torch.get_num_threads()
+        print(f"{args.layers}-layer {args.deep_geometry} geometry ({args.deep_dtype}): forward "
+              f"{best['deep_forward']:.4f} s, JVP utilities L={args.last_layers} {best['deep_utility']:.4f} s, "
+              f"ratio {deep_ratio:.2f}, {per_thread:.0f} supervised tokens/s per thread")
         deep_key = f"utility_over_forward_l{args.last_layers}_of_{args.layers}={deep_ratio:.3f} "
     print(f"knockout_over_routing={ratio_median:.2f}[{ratio_lo:.2f},{ratio_hi:.2f}]")
     print(f"utility_over_forward={t_utility / t_forward:.3f} {deep_key}backward_over_utility="

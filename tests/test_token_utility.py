@@ -192,6 +192,30 @@ def test_jvp_utilities_equal_the_per_token_backward_reference(models, tokenizer,
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hand_written_loss_tangent_equals_generic_forward_mode(models, tokenizer, monkeypatch, dtype):
+    """The closed-form tangent of the log-softmax loss (one matmul from the hidden tangent) gives the numbers of the
+    generic forward-mode pass through the LM head and log-softmax; a head with a tangent of its own (a tied
+    embedding inside the direction) takes the generic path."""
+    import copy
+
+    model = copy.deepcopy(models["tiny-llama"]).to(dtype)
+    batch = padded_batch(len(tokenizer), seed=6)
+    direction = random_direction(tu.scoring_parameters(model, 2), seed=13)
+    assert tu._plain_lm_head(model, tu.scoring_parameters(model, 2)) is not None
+    fast = tu.token_utilities(model, *inputs(batch), direction)
+    monkeypatch.setattr(tu, "_plain_lm_head", lambda model, params: None)
+    generic = tu.token_utilities(model, *inputs(batch), direction)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: both round the logits' tangent differently
+    assert (fast - generic).abs().max() <= tolerance * generic.abs().max()
+    assert torch.equal(fast == 0, generic == 0)
+
+    monkeypatch.undo()
+    head = model.get_output_embeddings().weight
+    name = next(n for n, p in model.named_parameters() if p is head)
+    assert tu._plain_lm_head(model, {name: head}) is None
+
+
 def test_utilities_are_the_directional_derivative_of_token_losses(tokenizer):
     """Central differences of l_t(theta + e v) in float64: an independent check of the definition and its sign.
 

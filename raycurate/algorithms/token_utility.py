@@ -28,6 +28,12 @@ differentiable in forward mode on every device; the layers before the first one 
 kernel.  Attention implementations that do not go through SDPA or eager (e.g. flash_attention_2) are temporarily
 switched to ``eager``.  :func:`reference_token_utilities` is the slow per-token backward loop used only
 by tests and benchmarks.
+
+The loss layer has a hand-written tangent (:func:`_loss_tangents_from_hidden`): when the logits are plainly
+``h W^T`` (a bias-free LM head outside the direction, no logit scale or soft-capping, as in Llama/Qwen2/Mistral),
+only the decoder runs in forward mode, and the tangent of ``l_t = logsumexp(z_t) - z_t[y_t]`` is
+``dh_t . ((softmax(z_t) - onehot(y_t)) W)``: one (N, V) x (V, H) matmul instead of a dual (B, W, V) logit tensor
+and the forward-mode log-softmax over it.  Other heads keep the generic path.
 """
 
 from __future__ import annotations
@@ -361,6 +367,7 @@ def token_utilities(
     keep = torch.arange(start, stop, device=input_ids.device)  # (W,)
     window_ids, window_mask = input_ids[:, start:stop], supervised[:, start:stop]  # (B, W)
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, "logits_to_keep": keep}
+    head = _plain_lm_head(model, params)
     with torch.no_grad(), _forward_ad_attention(model), warnings.catch_warnings(), fwad.dual_level():
         # torch loads its forward-AD decompositions through the deprecated torch.jit.script on first use.
         warnings.filterwarnings("ignore", message=".*torch.jit.script.*is deprecated", category=DeprecationWarning)
@@ -368,13 +375,73 @@ def token_utilities(
             name: fwad.make_dual(param.detach(), direction[name].detach().to(param.device, param.dtype))
             for name, param in params.items()
         }
-        logits = functional_call(model, duals, args=(), kwargs=kwargs).logits  # (B, W, V)
-        losses = token_losses(logits, window_ids, window_mask)  # (B, W); entry w is the loss of window_ids[:, w]
-        window_tangent = fwad.unpack_dual(losses).tangent  # (B, W) = d losses / d e along v
+        if head is not None:  # the decoder is model.model: its parameters' names lose the "model." prefix
+            decoder_duals = {name.removeprefix("model."): dual for name, dual in duals.items()}
+            hidden = functional_call(model.model, decoder_duals, args=(), kwargs={
+                "input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}).last_hidden_state
+            window_tangent = _window_loss_tangents(hidden[:, start:stop - 1], window_ids, window_mask, head.weight)
+        else:
+            logits = functional_call(model, duals, args=(), kwargs=kwargs).logits  # (B, W, V)
+            losses = token_losses(logits, window_ids, window_mask)  # (B, W); entry w: the loss of window_ids[:, w]
+            window_tangent = fwad.unpack_dual(losses).tangent  # (B, W) = d losses / d e along v
     if window_tangent is None:  # the losses do not depend on the direction's parameters
         return utilities
     utilities[:, start:stop] = torch.where(window_mask, window_tangent.float(), 0.0)
     return utilities
+
+
+def _plain_lm_head(model: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Linear | None:
+    """The LM head when the logits are exactly ``model.model(...) @ head.weight.T`` and no parameter of the head is
+    in the direction; None otherwise (the generic forward-mode path then runs)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    decoder = getattr(model, "model", None)
+    config = getattr(model, "config", None)
+    if not isinstance(head, nn.Linear) or head.bias is not None or not isinstance(decoder, nn.Module):
+        return None
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
+        return None
+    if any(param is head.weight for param in params.values()):
+        return None  # a tied head inside the direction (e.g. the embedding): its tangent reaches the logits too
+    return head
+
+
+def _window_loss_tangents(hidden: torch.Tensor, window_ids: torch.Tensor, window_mask: torch.Tensor,
+                          weight: torch.Tensor) -> torch.Tensor | None:
+    """(B, W) loss tangents of the window from the dual hidden states (B, W - 1, H) that predict ``window_ids[:, 1:]``;
+    None when the hidden states carry no tangent.  Call inside the forward-AD level that made them."""
+    import torch.autograd.forward_ad as fwad
+
+    primal, tangent = fwad.unpack_dual(hidden)
+    if tangent is None:
+        return None
+    counted = window_mask[:, 1:]  # (B, W - 1)
+    out = torch.zeros(window_ids.shape, dtype=torch.float32, device=window_ids.device)  # (B, W)
+    out[:, 1:][counted] = _loss_tangents_from_hidden(primal[counted], tangent[counted], window_ids[:, 1:][counted],
+                                                     weight)
+    return out
+
+
+def _loss_tangents_from_hidden(hidden: torch.Tensor, tangent: torch.Tensor, targets: torch.Tensor,
+                               weight: torch.Tensor) -> torch.Tensor:
+    """d l / d e for ``l = logsumexp(z) - z[y]``, ``z = h W^T``, given h's tangent; W carries none.
+
+    ``dl = (softmax(z) - onehot(y)) . dz = dh . ((softmax(z) - onehot(y)) W)``; the difference is formed before
+    the matmul, so a confident prediction (softmax ~ onehot) loses no precision to cancellation in bf16.
+
+    Args:
+        hidden: (N, H) final hidden states (after the final norm) of the positions that predict a supervised token.
+        tangent: (N, H) their tangents along the scoring direction.
+        targets: (N,) the token each position predicts.
+        weight: (V, H) LM head weight.
+
+    Returns:
+        (N,) float32 loss tangents.
+    """
+    logits = hidden @ weight.T  # (N, V) in the head's dtype, as the model's own logits
+    residual = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, V); no fp32 copy of the logits
+    residual[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
+    pulled = (residual.to(weight.dtype) @ weight).float()  # (N, H)
+    return (tangent.float() * pulled).sum(dim=-1)
 
 
 def reference_token_utilities(
