@@ -163,8 +163,26 @@ def test_worker_threads_follow_the_reserved_cpus_unless_set():
     assert worker_threads(3, 0.95) == 3
 
 
-@pytest.mark.parametrize("load, expected", [(0.0, 4), (0.4, 4), (1.6, 2), (3.5, 1), (9.0, 1)])
-def test_threads_zero_take_the_idle_cores_when_the_worker_starts(monkeypatch, load, expected):
+@pytest.mark.parametrize("busy, expected", [(0.0, 4), (0.4, 4), (1.6, 2), (3.5, 1), (9.0, 1)])
+def test_threads_zero_take_the_idle_cores_when_the_worker_starts(monkeypatch, busy, expected):
+    from raycurate.training import session
+
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(session, "busy_cores", lambda seconds: busy)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # the trailing load average is not read
     assert worker_threads(0, 0.95) == expected
+    monkeypatch.setattr(session, "busy_cores", lambda seconds: None)  # no /proc/stat: the load average instead
+    monkeypatch.setattr(os, "getloadavg", lambda: (busy, 0.0, 0.0))
+    assert worker_threads(0, 0.95) == expected
+
+
+def test_busy_cores_come_from_the_idle_share_of_elapsed_cpu_ticks(tmp_path):
+    from raycurate.training.session import busy_from_cpu_times, cpu_times
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 5 45 800 50 0 0 0 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert cpu_times(str(stat)) == (850, 1000)  # idle + iowait, user..steal
+    assert cpu_times(str(tmp_path / "missing")) is None
+    # 200 ticks elapsed on 4 cpus, 50 of them idle: 3 cores busy
+    assert busy_from_cpu_times((100, 1000), (150, 1200), cpus=4) == pytest.approx(3.0)
+    assert busy_from_cpu_times((100, 1000), (100, 1000), cpus=4) == 0.0

@@ -19,6 +19,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from typing import Any, Iterator
 
@@ -89,19 +90,57 @@ def worker_threads(threads_per_worker: int | None, cpus_per_worker: float) -> in
     return threads_per_worker
 
 
-def idle_cores() -> int:
-    """Usable cores minus the 1-minute load average (rounded), at least 1.
+def idle_cores(sample_seconds: float = 0.5) -> int:
+    """Usable cores minus the cores busy right now (rounded), at least 1.
+
+    Busy cores are sampled from ``/proc/stat`` over ``sample_seconds`` (:func:`busy_cores`); where that file is
+    missing, the 1-minute load average stands in.  Not the load average first: it trails by about a minute, so a
+    training that starts right after the previous stage of the same job (an evaluation on both cores) saw that
+    stage's load and took 1 thread on an idle machine (SmolLM2 LoRA, 4.2 s per step instead of 2.9 with 2).
 
     Why not every core: torch's intra-op threads spin and wait for each other, so on shared cores a step with more
     threads than idle cores collapses (a LoRA step on 2 cores at load ~8: 2 threads 21x slower than 1,
     ``benchmarks/bench_cpu_precision.py``), while on idle cores 2 threads are ~1.8x faster than 1.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = busy_cores(sample_seconds)
+    if busy is None:
+        try:
+            busy = os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average on this platform either: assume idle
+            busy = 0.0
+    return max(1, min(cores, int(round(cores - busy))))
+
+
+def busy_cores(sample_seconds: float) -> float | None:
+    """Cores of the machine in use over the next ``sample_seconds`` (``/proc/stat``); None where it cannot be read."""
+    first = cpu_times()
+    if first is None:
+        return None
+    time.sleep(sample_seconds)
+    second = cpu_times()
+    return None if second is None else busy_from_cpu_times(first, second, os.cpu_count() or 1)
+
+
+def cpu_times(path: str = "/proc/stat") -> tuple[int, int] | None:
+    """(idle, total) CPU time of all cores since boot, in clock ticks (idle includes I/O wait); None if unreadable."""
     try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):  # no load average on this platform: assume idle
-        load = 0.0
-    return max(1, min(cores, int(round(cores - load))))
+        with open(path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 5 or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal (guest is within user)
+    return ticks[3] + ticks[4], sum(ticks)
+
+
+def busy_from_cpu_times(first: tuple[int, int], second: tuple[int, int], cpus: int) -> float:
+    """Busy cores between two :func:`cpu_times` readings: ``cpus x (1 - idle share of the elapsed ticks)``."""
+    elapsed = second[1] - first[1]
+    if elapsed <= 0:
+        return 0.0
+    return cpus * (1.0 - (second[0] - first[0]) / elapsed)
 
 
 def maybe_inject_fault(session: TrainSession, step: int) -> None:
