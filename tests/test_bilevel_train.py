@@ -211,16 +211,19 @@ def test_bds_loop_writes_weights_and_resume_restores_omega_exactly(tiny_model, t
     assert os.path.exists(os.path.join(resumed_job.output_dir, "tokenizer.json"))
 
 
-def test_lora_adapter_trains_only_the_adapter_and_exports_a_merged_model(tiny_model, tables, tmp_path):
+def test_lora_adapter_trains_only_the_adapter_and_exports_it_alone(tiny_model, tables, tmp_path):
     from transformers import AutoModelForCausalLM
+
+    from raycurate.models.loading import ADAPTER_CONFIG, load_model
 
     job = _job(tables, tiny_model, str(tmp_path / "lora"), _cfg(max_steps=2))
     job.adapter = {"kind": "lora", "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
     metrics = bt.bds_train_loop(job, LocalSession(str(tmp_path / "c")))
     full = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
     assert metrics["adapter"] == "lora" and 0 < metrics["trainable_parameters"] < full // 10
-    assert os.path.isdir(os.path.join(job.output_dir, "adapter"))
-    merged = AutoModelForCausalLM.from_pretrained(job.output_dir)
+    files = os.listdir(job.output_dir)
+    assert ADAPTER_CONFIG in files and "config.json" not in files  # train.export: adapter (the default)
+    merged = load_model(job.output_dir)
     assert not any("lora" in name for name in merged.state_dict())
     weights = pq.read_table(os.path.join(job.output_dir, bds_state.WEIGHTS_FILE)).to_pandas()
     assert weights["omega"].abs().max() > 0

@@ -59,9 +59,10 @@ def token_table(tmp_path_factory) -> str:
 
 
 def _weights(model_dir: str) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
+    """The model's weights; an adapter-only export merged onto its base (as every stage loads it)."""
+    from raycurate.models.loading import load_model
 
-    return {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()}
+    return {k: v.detach().clone() for k, v in load_model(model_dir).state_dict().items()}
 
 
 # ------------------------------------------------------------------------------------------ DeepSpeed config
@@ -372,7 +373,7 @@ def test_deepspeed_bf16_on_gpu_trains_and_exports(ray_local, tiny_model, token_t
 
 def test_lora_loop_trains_only_the_adapter_and_exports_a_merged_checkpoint(tiny_model, token_table, tmp_path):
     cfg = TrainConfig(engine="ddp", micro_batch_size=2, effective_batch_size=4, max_steps=3, lr=5e-2,
-                      num_workers=1, seed=3, log_every_steps=1)
+                      num_workers=1, seed=3, log_every_steps=1, export="merged")
     spec = {"kind": "lora", "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
     job = SFTJob(token_table, tiny_model, str(tmp_path / "lora"), cfg, False, 1.0, adapter=spec)
     metrics = train_loop(job, LocalSession(str(tmp_path / "ckpt")))
@@ -385,6 +386,61 @@ def test_lora_loop_trains_only_the_adapter_and_exports_a_merged_checkpoint(tiny_
     changed = {k for k in init if not torch.equal(merged[k], init[k])}
     assert changed and all(("q_proj" in k or "v_proj" in k) for k in changed)
     assert os.path.exists(os.path.join(job.output_dir, "adapter", "adapter_config.json"))
+
+
+def test_lora_adapter_only_export_loads_as_the_merged_model_everywhere(tiny_model, token_table, tmp_path):
+    """train.export=adapter writes the PEFT adapter alone, naming its base; every loader (stages, training init,
+    P2D's weight reader, generation's stop tokens, the source check) sees the same model as the merged export."""
+    from raycurate.models.loading import ADAPTER_CONFIG, adapter_base, check_model_source, load_model
+    from raycurate.stages.generation import stop_and_pad_ids
+    from raycurate.stages.p2d import _weights as p2d_weights
+
+    outputs = {}
+    for export in ("adapter", "merged"):
+        cfg = TrainConfig(engine="ddp", micro_batch_size=2, effective_batch_size=4, max_steps=3, lr=5e-2,
+                          num_workers=1, seed=3, adapter="lora", lora_r=4, lora_alpha=8,
+                          lora_targets=["q_proj", "v_proj"], export=export)
+        job = SFTJob(token_table, tiny_model, str(tmp_path / export), cfg, False, 1.0, adapter=cfg.adapter_spec())
+        train_loop(job, LocalSession(str(tmp_path / f"ckpt_{export}")))
+        outputs[export] = job.output_dir
+    folder = outputs["adapter"]
+    files = set(os.listdir(folder))
+    assert {ADAPTER_CONFIG, "adapter_model.safetensors", METRICS_FILE, "tokenizer.json"} <= files
+    assert "config.json" not in files and "model.safetensors" not in files
+    assert adapter_base(folder) == os.path.abspath(tiny_model) and adapter_base(outputs["merged"]) is None
+    check_model_source(folder)
+
+    adapted, merged, base = _weights(folder), _weights(outputs["merged"]), _weights(tiny_model)
+    assert set(adapted) == set(base)
+    for key in base:
+        torch.testing.assert_close(adapted[key], merged[key], rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(adapted[k], base[k]) for k in base)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(folder)(ids).logits, load_model(outputs["merged"])(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    with p2d_weights(folder) as lazy:
+        key = next(k for k in base if "q_proj" in k)
+        torch.testing.assert_close(lazy[key], merged[key], rtol=1e-5, atol=1e-6)
+    assert stop_and_pad_ids(folder) == stop_and_pad_ids(tiny_model)
+
+    # a second LoRA run started from the adapter-only folder names that folder as its base: the chain loads
+    cfg = TrainConfig(engine="ddp", micro_batch_size=2, effective_batch_size=4, max_steps=1, lr=5e-2, num_workers=1,
+                      adapter="lora", lora_r=2, lora_alpha=4, lora_targets=["q_proj"])
+    chained = SFTJob(token_table, folder, str(tmp_path / "chained"), cfg, False, 1.0, adapter=cfg.adapter_spec())
+    train_loop(chained, LocalSession(str(tmp_path / "ckpt_chained")))
+    assert adapter_base(chained.output_dir) == os.path.abspath(folder)
+    with open(os.path.join(chained.output_dir, ADAPTER_CONFIG)) as f:
+        assert json.load(f)["base_model_name_or_path"] == "../adapter"  # a stage folder of the same run: relative
+    assert set(_weights(chained.output_dir)) == set(base)
+
+
+def test_an_adapter_names_a_base_in_its_run_folder_relatively():
+    from raycurate.training.export import adapter_base_reference
+
+    assert adapter_base_reference("/runs/a/seed-0/base_model/model", "/runs/a/seed-0/train_mixed/model") == \
+        "../../base_model/model"
+    assert adapter_base_reference("/cache/smollm2", "/runs/a/seed-0/train_mixed/model") == "/cache/smollm2"
 
 
 def test_lora_checkpoint_holds_the_adapter_only_and_resumes_like_an_uninterrupted_run(tiny_model, token_table,
@@ -421,7 +477,7 @@ def test_lora_export_of_a_bf16_base_is_fp32_and_keeps_the_whole_update(tiny_mode
         if name.startswith(("tokenizer", "special_tokens")):
             shutil.copy2(os.path.join(tiny_model, name), base)
     cfg = TrainConfig(engine="ddp", micro_batch_size=2, effective_batch_size=4, max_steps=1, lr=1e-3, num_workers=1,
-                      adapter="lora", lora_r=2, lora_alpha=4, lora_targets=["q_proj"])
+                      adapter="lora", lora_r=2, lora_alpha=4, lora_targets=["q_proj"], export="merged")
     job = SFTJob(token_table, base, str(tmp_path / "out"), cfg, False, 1.0, adapter=cfg.adapter_spec())
     train_loop(job, LocalSession(str(tmp_path / "ckpt")))
     merged, init = _weights(job.output_dir), _weights(base)
@@ -436,10 +492,12 @@ def test_lora_export_of_a_bf16_base_is_fp32_and_keeps_the_whole_update(tiny_mode
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_deepspeed_lora_checkpoint_skips_frozen_weights_and_resume_matches(ray_local, tiny_model, token_table,
-                                                                           tmp_path, monkeypatch):
+def test_deepspeed_lora_checkpoint_skips_frozen_weights_and_resume_matches(ray_local, token_table, tmp_path,
+                                                                           monkeypatch):
+    """With tied embeddings (as SmolLM2): the frozen embedding's second name, lm_head.weight, is not saved either."""
     from raycurate.training.session import FAULT_ENV
 
+    tiny_model = write_tiny_llama(str(tmp_path / "tied"), tie_word_embeddings=True)
     cfg = _zero_cfg(num_workers=1, max_steps=4, max_failures=1, adapter="lora", lora_r=4, lora_alpha=8,
                     lora_targets=["q_proj", "v_proj"])
     straight_out = str(tmp_path / "straight")

@@ -42,8 +42,9 @@ class LocalSession:
 VOCAB = 64
 
 
-def write_tiny_llama(path: str) -> str:
-    """A 2-layer GQA Llama (vocab 64: <pad>=0, <s>=1, </s>=2, w3..w63) + word-level tokenizer, saved at ``path``."""
+def write_tiny_llama(path: str, tie_word_embeddings: bool = False) -> str:
+    """A 2-layer GQA Llama (vocab 64: <pad>=0, <s>=1, </s>=2, w3..w63) + word-level tokenizer, saved at ``path``;
+    ``tie_word_embeddings`` shares the LM head with the embedding (as SmolLM2 does)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
@@ -52,7 +53,7 @@ def write_tiny_llama(path: str) -> str:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=tie_word_embeddings)
     LlamaForCausalLM(config).save_pretrained(path)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="<pad>"))

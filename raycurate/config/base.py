@@ -24,6 +24,7 @@ def option(
     le: float | None = None,
     lt: float | None = None,
     runtime_only: bool = False,
+    hashed: bool = True,
 ) -> Any:
     """Declare a config field with a description and optional allowed values.
 
@@ -37,14 +38,18 @@ def option(
         runtime_only: The field changes how fast or how robustly a stage runs, never what it produces (threads,
             CPU reservations, retries, logging): stage hashes see its default instead of its value, so changing it
             neither re-runs a finished stage nor orphans a killed training's checkpoints.
+        hashed: False for a ``runtime_only`` field added after stages were hashed: hashes omit it (its default
+            would still be a new key), so finished runs stay current.
 
     Returns:
         A ``dataclasses.field`` carrying ``help``, ``choices``, ``items`` and ``bounds`` in its metadata.
     """
+    if not hashed and not runtime_only:
+        raise ValueError("only a runtime_only option can be left out of stage hashes")
     bounds = {name: value for name, value in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if value is not None}
     items = tuple(items) if items is not None and not callable(items) else items
     metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "items": items,
-                "bounds": bounds, "runtime_only": runtime_only}
+                "bounds": bounds, "runtime_only": runtime_only, "hashed": hashed}
     if isinstance(default, (list, dict, set)) or dataclasses.is_dataclass(default):
         return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

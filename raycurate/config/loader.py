@@ -304,12 +304,12 @@ def to_dict(obj: Any, *, runtime_defaults: bool = False) -> Any:
     Args:
         runtime_defaults: Put every ``runtime_only`` field (:func:`raycurate.config.base.option`) at its default:
             what a stage's result depends on.  Defaults rather than omission keep the hashes of configs that never
-            set one.
+            set one; fields declared ``hashed=False`` (runtime-only fields added later) are left out.
     """
     if dataclasses.is_dataclass(obj):
         return {f.name: to_dict(_default_of(f) if runtime_defaults and f.metadata.get("runtime_only")
                                 else getattr(obj, f.name), runtime_defaults=runtime_defaults)
-                for f in dataclasses.fields(obj)}
+                for f in dataclasses.fields(obj) if not (runtime_defaults and f.metadata.get("hashed") is False)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v, runtime_defaults=runtime_defaults) for v in obj]
     if isinstance(obj, dict):

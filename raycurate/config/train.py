@@ -42,10 +42,10 @@ class TrainConfig:
         runtime_only=True)
     threads_per_worker: int | None = option(
         None, "torch CPU threads per worker: null = its reserved CPUs (at least 1); 0 = the node's idle cores when the "
-        "worker starts (cores minus the 1-minute load average, at least 1), for jobs that train one stage at a time "
-        "on one machine (the laptop demo: 1.8x faster steps on 2 idle cores than 1 thread; more threads than idle "
-        "cores collapse on shared cores); Ray's reservation stays cpus_per_worker either way. Not in the stage "
-        "hash: changing it neither re-trains a finished stage nor restarts a killed one from step 0.", ge=0,
+        "worker starts (cores minus the cores busy over a 0.5 s sample, at least 1), for jobs that train one stage "
+        "at a time on one machine (the laptop demo: 1.8x faster steps on 2 idle cores than 1 thread; more threads "
+        "than idle cores collapse on shared cores); Ray's reservation stays cpus_per_worker either way. Not in the "
+        "stage hash: changing it neither re-trains a finished stage nor restarts a killed one from step 0.", ge=0,
         runtime_only=True)
     use_gpu: bool | None = option(None, "Train on GPUs (one per worker); null = yes iff the Ray cluster has GPUs.")
     adapter: str = option(
@@ -64,6 +64,14 @@ class TrainConfig:
         "adapter trains in fp32 either way. bfloat16 halves their memory and, on CPUs with AVX512-BF16/AMX, made a "
         "SmolLM2-135M LoRA step 1.7x faster (benchmarks/bench_cpu_precision.py); activations are then bf16.",
         choices=("float32", "bfloat16"),
+    )
+    export: str = option(
+        "adapter", "What a LoRA run writes as its model folder: adapter (the PEFT adapter, tokenizer files and "
+        "metrics: 19 MB for SmolLM2-135M at r=16 instead of 538 MB; it names its base, and every stage merges it on "
+        "load in float32) or merged (a plain HF checkpoint in float32, the update folded in, plus the adapter "
+        "under adapter/). Full fine-tuning and head deltas always write a full checkpoint. Not in the stage hash: "
+        "both load as the same model, so changing it never re-trains a finished stage.",
+        choices=("adapter", "merged"), runtime_only=True, hashed=False,
     )
     lr: float = option(2e-5, "Peak learning rate of AdamW.", gt=0)
     weight_decay: float = option(0.0, "AdamW decoupled weight decay.", ge=0)

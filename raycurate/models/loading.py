@@ -4,6 +4,9 @@ Decisions:
 
 * Nothing here reaches a hub: every ``from_pretrained`` call passes ``local_files_only=True`` and
   ``trust_remote_code=False``.
+* An adapter-only folder (a LoRA run's export, ``train.export: adapter``: ``adapter_config.json``, the adapter's
+  weights and tokenizer files, no ``config.json``) loads as its base (``base_model_name_or_path``) with the adapter
+  merged in float32 (:func:`adapter_base`, :func:`config_dir`), so every stage reads it like a full checkpoint.
 * :func:`check_model_source` says, before any stage runs, whether a model path can work (a tiny preset, or a
   folder with ``config.json``, weights and tokenizer files), so a wrong ``--model`` is one clear error instead of
   a tokenizer traceback several stages later.
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = ("auto", "float32", "bfloat16")
+ADAPTER_CONFIG = "adapter_config.json"
 SELECTIVE_EAGER = "raycurate_selective_eager"
 _RECORD_FLAG = "_raycurate_record_attention"
 
@@ -73,6 +77,51 @@ def resolve_model_path(path_or_name: str) -> str:
     return path_or_name
 
 
+def adapter_base(path: str | os.PathLike) -> str | None:
+    """The checkpoint an adapter-only folder was trained on, or None when ``path`` is not one.
+
+    An adapter-only folder has ``adapter_config.json`` (PEFT) and no ``config.json``; its base is the config's
+    ``base_model_name_or_path`` (absolute, or relative to the folder).
+
+    Raises:
+        ModelSourceError: The folder names no base, or the base folder is gone (e.g. a run directory moved without
+            the model it was trained from).
+    """
+    folder = Path(path)
+    adapter_config = folder / ADAPTER_CONFIG
+    if (folder / "config.json").is_file() or not adapter_config.is_file():
+        return None
+    base = json.loads(adapter_config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    if not base:
+        raise ModelSourceError(f"{adapter_config} names no base_model_name_or_path; set it to the folder of the "
+                               "checkpoint the adapter was trained on")
+    base_dir = folder / base
+    if not base_dir.is_dir():
+        raise ModelSourceError(f"{folder} is a LoRA adapter of {base}, which is not a folder on this machine; put the "
+                               f"base checkpoint there (or edit base_model_name_or_path in {ADAPTER_CONFIG})")
+    return os.path.normpath(base_dir)
+
+
+def config_dir(path: str) -> str:
+    """The folder whose ``config.json`` / ``generation_config.json`` describe ``path``'s model: ``path`` itself, or
+    for an adapter-only folder its base's (following chains of adapters)."""
+    base = adapter_base(path)
+    return path if base is None else config_dir(base)
+
+
+def _load_adapter_merged(adapter_dir: str, base_dir: str, *, dtype: str, attn_implementation: str,
+                         device: str) -> PreTrainedModel:
+    """The base model with the adapter of ``adapter_dir`` merged in float32, then cast to ``dtype`` (``"auto"``:
+    float32, as the merged exports are: a bf16 merge rounds most of a small update away)."""
+    from peft import PeftModel
+
+    base = load_model(base_dir, dtype="float32", attn_implementation=attn_implementation)
+    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=False).merge_and_unload()
+    if dtype != "auto":
+        model = model.to(_torch_dtype(dtype))
+    return model.to(device).eval()
+
+
 def load_model(
     path_or_preset: str,
     *,
@@ -85,7 +134,8 @@ def load_model(
     """Load a causal LM from a local HF checkpoint directory, or build an untrained tiny preset.
 
     Args:
-        path_or_preset: A local checkpoint directory (``config.json`` + weights), ``"embedded"`` (the committed
+        path_or_preset: A local checkpoint directory (``config.json`` + weights, or an adapter-only folder: see
+            :func:`adapter_base`), ``"embedded"`` (the committed
             pre-trained base model, :func:`embedded_model_dir`), a fetched registry model (``"smollm2-135m"``,
             see :func:`resolve_model_path`), or a key of ``TINY_PRESETS``
             (then ``tokenizer`` is required and the weights are a fresh seeded init; use
@@ -114,6 +164,10 @@ def load_model(
         if torch_dtype != "auto":
             model = model.to(torch_dtype)
         return model.to(device)
+    base = adapter_base(path_or_preset) if os.path.isdir(path_or_preset) else None
+    if base is not None:
+        return _load_adapter_merged(path_or_preset, base, dtype=dtype, attn_implementation=attn_implementation,
+                                    device=device)
     if not os.path.isfile(os.path.join(path_or_preset, "config.json")):
         raise FileNotFoundError(
             f"{path_or_preset!r} is not a local HF checkpoint directory (no config.json there); pass a directory "
@@ -158,6 +212,13 @@ def check_model_source(name: str, key: str = "model.name_or_path") -> None:
             f"{key}={name!r} is neither {EMBEDDED_MODEL!r}, a tiny preset ({', '.join(TINY_PRESETS)}), a fetchable "
             f"model ({', '.join(sorted(REGISTRY))}; `raycurate model fetch NAME`) nor a local checkpoint folder; "
             "download the checkpoint first (this machine never reaches the hub) and pass its folder")
+    base = adapter_base(path)
+    if base is not None:  # an adapter-only folder: its tokenizer here, config and weights in the base
+        check_model_source(base, key=f"the base of {key}={name!r}")
+        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise ModelSourceError(f"{key}={name!r} is a LoRA adapter folder without tokenizer files (one of "
+                                   f"{', '.join(_TOKENIZER_FILES)}); copy them from its base {base}")
+        return
     missing = []
     config = path / "config.json"
     if not config.is_file():

@@ -162,7 +162,8 @@ def bds_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage
               force: bool = False) -> dict:
     """Offline BDS (``online=False``) or BDS + BMO online regeneration on Ray Train.
 
-    Outputs: ``model`` (merged HF checkpoint), ``weights.parquet`` (id, omega, sigma, rank per epoch snapshot) and,
+    Outputs: ``model`` (the LoRA adapter alone with ``train.export: adapter``, else the merged HF checkpoint),
+    ``weights.parquet`` (id, omega, sigma, rank per epoch snapshot) and,
     online, ``generations.parquet`` (question id, step, sample, response ids, generation-time log-probs and the
     final policy's importance weight).
     """

@@ -118,6 +118,9 @@ def stop_and_pad_ids(model_dir: str, config: Any = None) -> tuple[list[int], int
     """Stop tokens (generation config EOS list, else the model config's EOS) and the pad id of a checkpoint."""
     from transformers import AutoConfig, GenerationConfig
 
+    from raycurate.models.loading import config_dir
+
+    model_dir = config_dir(model_dir)  # an adapter-only folder: its base's configs
     if config is None:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     try:
@@ -391,7 +394,9 @@ class GenerationPool:
 
         if num_actors < 1:
             raise ValueError(f"num_actors={num_actors}: a generation pool needs at least one actor")
-        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        from raycurate.models.loading import config_dir
+
+        if not os.path.isfile(os.path.join(config_dir(model_dir), "config.json")):
             raise FileNotFoundError(f"generation model_dir {model_dir!r} has no config.json; pass a local HF "
                                     "checkpoint directory (the base model the adapters were trained on)")
         total_gpus = cluster_gpus()

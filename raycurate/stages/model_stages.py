@@ -73,8 +73,9 @@ def train_stage(run: RunDir, stage: str, *, tokens_stage: str, init_stage: str, 
 
     Args:
         adapter: Adapter spec (:mod:`raycurate.models.adapters`; LoRA, P2D head deltas) or None for
-            ``train_cfg``'s own (``train.adapter``: full fine-tuning or LoRA); the output is always a merged HF
-            checkpoint (LoRA also under ``model/adapter``).
+            ``train_cfg``'s own (``train.adapter``: full fine-tuning or LoRA); the output is a full HF checkpoint,
+            or for LoRA with ``train.export: adapter`` (the default) the adapter alone, which every loader merges
+            onto its base (:func:`raycurate.models.loading.adapter_base`).
         extra_upstream: Stages the adapter spec was derived from (e.g. head scoring), so it re-runs with them.
     """
     from raycurate.models.adapters import adapter_kind

@@ -101,18 +101,30 @@ def score_heads_task(base_dir: str, proxy_dir: str, out_path: str, *, ratio: flo
 def _load_config(model_dir: str) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    from raycurate.models.loading import config_dir
+
+    return AutoConfig.from_pretrained(config_dir(model_dir), local_files_only=True, trust_remote_code=False)
 
 
 class _weights:
-    """Context manager: the model's safetensors weights as a lazy ``name -> tensor`` mapping (one file or sharded)."""
+    """Context manager: the model's safetensors weights as a lazy ``name -> tensor`` mapping (one file or sharded);
+    an adapter-only folder (a LoRA proxy) is merged onto its base in memory instead."""
 
     def __init__(self, model_dir: str) -> None:
+        from raycurate.models.loading import adapter_base
+
+        self.model_dir = model_dir
+        self.merged = adapter_base(model_dir) is not None
         self.files = sorted(Path(model_dir).glob("*.safetensors"))
-        if not self.files:
+        if not self.files and not self.merged:
             raise FileNotFoundError(f"no *.safetensors in {model_dir}; save the model with safetensors")
 
     def __enter__(self) -> _weights:
+        if self.merged:
+            from raycurate.models.loading import load_model
+
+            self.index: dict[str, Any] = load_model(self.model_dir, dtype="float32").state_dict()
+            return self
         from safetensors import safe_open
 
         self.handles = [safe_open(str(f), framework="pt") for f in self.files]
@@ -120,12 +132,13 @@ class _weights:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.handles = []
+        self.handles, self.index = [], {}
 
     def __getitem__(self, name: str) -> Any:
         if name not in self.index:
             raise KeyError(f"{name} not found in the checkpoint's safetensors files ({len(self.index)} tensors)")
-        return self.index[name].get_tensor(name).float()
+        value = self.index[name]  # a merged tensor, or the safetensors handle holding it
+        return value if self.merged else value.get_tensor(name).float()
 
     def __contains__(self, name: str) -> bool:
         return name in self.index

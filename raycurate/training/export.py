@@ -1,4 +1,5 @@
-"""The final export of a training run: HF checkpoint (safetensors), tokenizer files and ``train_metrics.json``.
+"""The final export of a training run: HF checkpoint (safetensors) or, for LoRA, the adapter alone; tokenizer files
+and ``train_metrics.json``.
 
 ``output_dir`` is written by rank 0 atomically (temp dir + ``os.replace``).  A ZeRO-1/2/3 run's weights are
 consolidated from the final checkpoint's persisted shards (``zero_to_fp32``, fp32 master weights cast to the
@@ -34,9 +35,20 @@ def copy_tokenizer_files(init_model: str, dest: str) -> list[str]:
     return copied
 
 
+def trained_adapted_model(job: Any, state_dict: dict[str, Any]) -> Any:
+    """``job.init_model`` on CPU in float32 with ``job.adapter`` attached and the trained state loaded (the frozen
+    base weights may be missing from ``state_dict``: they are ``init_model``'s)."""
+    import torch
+
+    from raycurate.models.adapters import apply_adapter
+
+    model = apply_adapter(load_model(job.init_model, torch.float32), job.adapter)
+    load_trainable_state_dict(model, {k: v.float() for k, v in state_dict.items()})
+    return model
+
+
 def save_merged(job: Any, state_dict: dict[str, Any], dest: str) -> None:
-    """Rebuild the adapted model on CPU from ``init_model``, load the trained state (the frozen base weights may be
-    missing from it: they are ``init_model``'s), save adapter + merged model in float32.
+    """Save the trained adapted model (:func:`trained_adapted_model`) as adapter + merged model in float32.
 
     Float32 whatever the base's dtype, so the export equals the trained model: an adapter's update is small next
     to the weights it is added to, and a bf16 weight keeps 8 significant bits. Merged into SmolLM2-135M's bf16
@@ -45,12 +57,40 @@ def save_merged(job: Any, state_dict: dict[str, Any], dest: str) -> None:
     benchmarks/RESULTS.md, #25), but nothing bounds the loss for longer or smaller-lr runs."""
     import torch
 
-    from raycurate.models.adapters import apply_adapter, export_model, save_adapter
+    from raycurate.models.adapters import export_model, save_adapter
 
-    model = apply_adapter(load_model(job.init_model, torch.float32), job.adapter)
-    load_trainable_state_dict(model, {k: v.float() for k, v in state_dict.items()})
+    model = trained_adapted_model(job, state_dict)
     save_adapter(model, job.adapter, os.path.join(dest, "adapter"))
     export_model(model, job.adapter).to(torch.float32).save_pretrained(dest)
+
+
+def adapter_base_reference(init_model: str, output_dir: str) -> str:
+    """How an adapter saved in ``output_dir`` names its base ``init_model``: relative when both are stage folders of
+    one run directory (``<run>/<stage>/model``), so the run can move or be mirrored to another machine; else the
+    absolute path."""
+    init_model, output_dir = os.path.abspath(init_model), os.path.abspath(output_dir)
+    run_dir = os.path.dirname(os.path.dirname(output_dir))
+    if os.path.commonpath([init_model, run_dir]) == run_dir:
+        return os.path.relpath(init_model, output_dir)
+    return init_model
+
+
+def save_adapter_only(job: Any, state_dict: dict[str, Any], dest: str) -> None:
+    """Save the trained LoRA adapter alone (PEFT format) in ``dest``, naming ``job.init_model`` as its base
+    (:func:`adapter_base_reference`).
+
+    The base is the folder training started from, even when that folder is itself an adapter: the loaders
+    (:func:`raycurate.models.loading.load_model`) follow the chain."""
+    from raycurate.models.adapters import save_adapter
+    from raycurate.models.loading import ADAPTER_CONFIG
+
+    save_adapter(trained_adapted_model(job, state_dict), job.adapter, dest)
+    config_path = os.path.join(dest, ADAPTER_CONFIG)
+    with open(config_path) as f:
+        config = json.load(f)
+    config["base_model_name_or_path"] = adapter_base_reference(job.init_model, job.output_dir)
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def replace_dir(tmp: str, output_dir: str) -> None:
@@ -68,12 +108,13 @@ def export_hf(engine: Any, job: Any, metrics: dict[str, Any], session: TrainSess
     """Write the trained model (safetensors), tokenizer files and metrics to ``job.output_dir`` atomically.
 
     Call it after the final checkpoint was reported: ZeRO-1/2/3 weights are consolidated from its shards
-    (``zero_to_fp32``).  Only rank 0 writes.  With an adapter the checkpoint is the merged model (a plain HF
-    checkpoint), and a LoRA adapter is also saved alone under ``adapter/``.
+    (``zero_to_fp32``).  Only rank 0 writes.  A LoRA run with ``train.export: adapter`` writes the adapter alone
+    (:func:`save_adapter_only`); other adapters, and LoRA with ``merged``, write the merged model (a plain HF
+    checkpoint), a LoRA adapter also alone under ``adapter/``.
 
     Args:
         engine: The training engine.
-        job: ``output_dir``, ``init_model`` and ``adapter`` of the run (an ``SFTJob`` or ``BDSJob``).
+        job: ``output_dir``, ``init_model``, ``adapter`` and ``cfg`` of the run (an ``SFTJob`` or ``BDSJob``).
         metrics: Written as ``train_metrics.json``.
         session: The runtime (rank, latest checkpoint).
     """
@@ -86,8 +127,11 @@ def export_hf(engine: Any, job: Any, metrics: dict[str, Any], session: TrainSess
     parent = os.path.dirname(output_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.tmp-", dir=parent)
-    if adapter_kind(job.adapter) == "full":
+    kind = adapter_kind(job.adapter)
+    if kind == "full":
         engine.module.save_pretrained(tmp, state_dict=state_dict)
+    elif kind == "lora" and job.cfg.export == "adapter":
+        save_adapter_only(job, state_dict, tmp)
     else:
         save_merged(job, state_dict, tmp)
     copy_tokenizer_files(job.init_model, tmp)
