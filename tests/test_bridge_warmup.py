@@ -18,7 +18,7 @@ def test_warmup_epochs_zero_scores_at_the_base_model(monkeypatch, epochs, theta_
     from raycurate.pipelines.bridge import run_bridge_core
 
     calls: dict[str, list] = {"train": [], "direction": [], "score": []}
-    monkeypatch.setattr(data_stages, "filter_tokens_stage", lambda *a, **k: None)
+    monkeypatch.setattr(data_stages, "filter_tokens_stage", lambda *a, **k: {"metrics": {"rows_kept": 8}})
     monkeypatch.setattr(model_stages, "train_stage", lambda run, stage, **k: calls["train"].append(stage))
     monkeypatch.setattr(bridge_stages, "direction_stage",
                         lambda run, **k: calls["direction"].append(k["warmup_stage"]))
@@ -36,15 +36,10 @@ def test_full_batch_warmup_takes_the_minibatch_step_count_on_the_whole_split():
     from raycurate.config.train import TrainConfig
     from raycurate.pipelines.bridge import warmup_train_config
 
-    class Run:  # the warmup split's filter stage recorded 139 kept rows
-        def stage_record(self, stage):
-            assert stage == "bridge_warmup_rows"
-            return {"status": "done", "metrics": {"rows_in": 2713, "rows_kept": 139}}
-
     train = TrainConfig(num_workers=1, micro_batch_size=8, effective_batch_size=32, lr=1e-3, seed=5)
-    minibatch = warmup_train_config(Run(), train, BridgeConfig(warmup_epochs=2))  # type: ignore[arg-type]
+    minibatch = warmup_train_config(train, BridgeConfig(warmup_epochs=2), warmup_rows=139)
     assert (minibatch.epochs, minibatch.max_steps, minibatch.effective_batch_size) == (2, None, 32)
-    full = warmup_train_config(Run(), train, BridgeConfig(warmup_epochs=2, warmup_batch="full"))  # type: ignore[arg-type]
+    full = warmup_train_config(train, BridgeConfig(warmup_epochs=2, warmup_batch="full"), warmup_rows=139)
     # 139 // 32 = 4 minibatch steps per epoch -> 8 full-batch steps; 139 is prime, so 139 micro-batches of 1
     assert (full.max_steps, full.effective_batch_size, full.micro_batch_size, full.lr) == (8, 139, 1, 1e-3)
     assert full.warmup_ratio == 0.0 and full.seed == 5

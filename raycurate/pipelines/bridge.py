@@ -65,17 +65,15 @@ def run_bridge_selection(run: RunDir, cfg: JobConfig) -> dict[str, str]:
     return methods
 
 
-def warmup_train_config(run: RunDir, train_cfg: Any, bridge_cfg: Any) -> Any:
+def warmup_train_config(train_cfg: Any, bridge_cfg: Any, warmup_rows: int) -> Any:
     """The warmup SFT's training config: ``bridge.warmup_epochs`` of ``train``'s minibatches, or, at
     ``bridge.warmup_batch = full``, as many optimizer steps (``epochs * (rows // effective_batch_size)``, at least
-    one) on the whole ``bridge_warmup_rows`` split, which makes theta_bar independent of ``train.seed``'s batch
-    order."""
+    one) on the whole warmup split of ``warmup_rows`` rows, which makes theta_bar independent of ``train.seed``'s
+    batch order."""
     if bridge_cfg.warmup_batch == "minibatch":
         return dataclasses.replace(train_cfg, epochs=bridge_cfg.warmup_epochs, max_steps=None)
     from raycurate.config.train import full_batch_train_config
 
-    record = run.stage_record("bridge_warmup_rows") or {}  # the filter stage that ran just before counted its rows
-    warmup_rows = int(record["metrics"]["rows_kept"])
     steps = bridge_cfg.warmup_epochs * max(1, warmup_rows // train_cfg.effective_batch_size)
     return full_batch_train_config(train_cfg, warmup_rows, steps, train_cfg.lr,
                                    rows_key="the warmup split of bridge.warmup_batch=full")
@@ -91,12 +89,14 @@ def run_bridge_core(run: RunDir, cfg: JobConfig) -> str:
     from raycurate.stages.model_stages import train_stage
 
     bridge = cfg.bridge
-    for split in ("warmup", "validation", "selection"):
-        filter_tokens_stage(run, f"bridge_{split}_rows", tokens_stage="tokenize", description=f"split == {split}",
-                            keep=split_equals(split), config={"split": split})
+    splits = {split: filter_tokens_stage(run, f"bridge_{split}_rows", tokens_stage="tokenize",
+                                         description=f"split == {split}", keep=split_equals(split),
+                                         config={"split": split})
+              for split in ("warmup", "validation", "selection")}
     warmup = warmup_stage_of(bridge)
     if warmup == "bridge_warmup":
-        warmup_cfg = warmup_train_config(run, cfg.train, bridge)
+        warmup_rows = int(splits["warmup"]["metrics"]["rows_kept"])
+        warmup_cfg = warmup_train_config(cfg.train, bridge, warmup_rows)
         train_stage(run, warmup, tokens_stage="bridge_warmup_rows", init_stage="base_model", train_cfg=warmup_cfg)
     direction_stage(run, warmup_stage=warmup, base_stage="base_model",
                     validation_stage="bridge_validation_rows", bridge_cfg=bridge)
