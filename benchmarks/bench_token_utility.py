@@ -7,9 +7,11 @@ the worst case for the JVP): validation gradient of a second batch plus an ancho
 lam = 0.2.  Timings are the minimum over ``--repeats`` interleaved runs (the machine is shared).  Denormal floats
 are flushed to zero for every timed computation (``torch.set_flush_denormal``, the recommended CPU setting for
 scoring actors; ``--keep-denormals`` turns it off): without it the attention and log-softmax of the forward-mode
-pass hit slow denormal arithmetic on CPU.  Informational rows time the utilities with gradients restricted to the
-last 1 and 2 layers.  ``--layers N`` (default 16) adds the paper's shape, L = ``--last-layers`` (4) scoring
-layers of a deeper model: the same tiny-llama geometry with N layers (seeded init), timed forward vs utilities on
+pass hit slow denormal arithmetic on CPU.  The utilities run the hand-written layer rules
+(:mod:`raycurate.algorithms.dual_layers`); an informational row times the same utilities through torch's generic
+forward-mode AD (``hand_written=False``), and others with gradients restricted to the last 1 and 2 layers.
+``--layers N`` (default 16) adds the paper's shape, L = ``--last-layers`` (4) scoring layers of a deeper model:
+the same tiny-llama geometry with N layers (seeded init), timed forward vs utilities on
 the same batch, interleaved with the rest (Llama-3.2-3B is L = 4 of 28).  ``--deep-geometry smollm2-135m``
 gives the deeper model SmolLM2-135M's shape instead (30 layers, hidden 576, 9 query / 3 KV heads of 64, MLP 1,536,
 49,152-token tied vocabulary; random weights), and ``--deep-dtype bfloat16`` runs it in bf16 (the dtype a bf16
@@ -157,7 +159,8 @@ def main() -> None:
         tu.knockout_prompt_scores(model, batch["input_ids"], batch["attention_mask"], prompt_mask,
                                   batch["loss_mask"].float(), direction)
 
-    timed = {"forward": forward, "utility": utility, "routing": routing, "knockout": knockout}
+    timed = {"forward": forward, "utility": utility, "routing": routing, "knockout": knockout,
+             "generic": lambda: tu.token_utilities(model, *inputs, direction, hand_written=False)}
     timed.update({f"L{layers}": (lambda d=d: tu.token_utilities(model, *inputs, d)) for layers, d in shallow.items()})
     if args.layers:
         deep = build_deep(tokenizer, args.layers, args.seed, args.deep_geometry, getattr(torch, args.deep_dtype))
@@ -169,6 +172,7 @@ def main() -> None:
 
         timed["deep_forward"] = deep_forward
         timed["deep_utility"] = lambda: tu.token_utilities(deep, *inputs, deep_direction)
+        timed["deep_generic"] = lambda: tu.token_utilities(deep, *inputs, deep_direction, hand_written=False)
     best = {name: float("inf") for name in timed}
     ratios = []  # knockout / routing, one per interleaved run
     for _ in range(args.repeats):  # interleaved, so load spikes hit all alike
@@ -191,6 +195,7 @@ def main() -> None:
     print(f"{'computation':<34}{'seconds':>12}{'ratio':>12}")
     print(f"{'plain forward (sdpa)':<34}{t_forward:>12.4f}{1.0:>12.2f}")
     print(f"{'JVP utilities, L=4 (all tokens)':<34}{t_utility:>12.4f}{t_utility / t_forward:>12.2f}")
+    print(f"{'  (info) same, generic forward AD':<34}{best['generic']:>12.4f}{best['generic'] / t_forward:>12.2f}")
     for layers in shallow:
         label = f"  (info) JVP utilities, L={layers}"
         print(f"{label:<34}{best[f'L{layers}']:>12.4f}{best[f'L{layers}'] / t_forward:>12.2f}")
@@ -211,7 +216,8 @@ def main() -> None:
         per_thread = n_tokens / best["deep_utility"] / torch.get_num_threads()
         print(f"{args.layers}-layer {args.deep_geometry} geometry ({args.deep_dtype}): forward "
               f"{best['deep_forward']:.4f} s, JVP utilities L={args.last_layers} {best['deep_utility']:.4f} s, "
-              f"ratio {deep_ratio:.2f}, {per_thread:.0f} supervised tokens/s per thread")
+              f"ratio {deep_ratio:.2f}, {per_thread:.0f} supervised tokens/s per thread; generic forward AD "
+              f"{best['deep_generic']:.4f} s, ratio {best['deep_generic'] / best['deep_forward']:.2f}")
         deep_key = f"utility_over_forward_l{args.last_layers}_of_{args.layers}={deep_ratio:.3f} "
     print(f"knockout_over_routing={ratio_median:.2f}[{ratio_lo:.2f},{ratio_hi:.2f}]")
     print(f"utility_over_forward={t_utility / t_forward:.3f} {deep_key}backward_over_utility="

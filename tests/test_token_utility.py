@@ -202,10 +202,10 @@ def test_hand_written_loss_tangent_equals_generic_forward_mode(models, tokenizer
     model = copy.deepcopy(models["tiny-llama"]).to(dtype)
     batch = padded_batch(len(tokenizer), seed=6)
     direction = random_direction(tu.scoring_parameters(model, 2), seed=13)
-    assert tu._plain_lm_head(model, tu.scoring_parameters(model, 2)) is not None
-    fast = tu.token_utilities(model, *inputs(batch), direction)
-    monkeypatch.setattr(tu, "_plain_lm_head", lambda model, params: None)
-    generic = tu.token_utilities(model, *inputs(batch), direction)
+    assert tu.plain_lm_head(model, tu.scoring_parameters(model, 2)) is not None
+    fast = tu.token_utilities(model, *inputs(batch), direction, hand_written=False)  # generic layers, closed-form loss
+    monkeypatch.setattr(tu, "plain_lm_head", lambda model, params: None)
+    generic = tu.token_utilities(model, *inputs(batch), direction, hand_written=False)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: both round the logits' tangent differently
     assert (fast - generic).abs().max() <= tolerance * generic.abs().max()
     assert torch.equal(fast == 0, generic == 0)
@@ -213,7 +213,68 @@ def test_hand_written_loss_tangent_equals_generic_forward_mode(models, tokenizer
     monkeypatch.undo()
     head = model.get_output_embeddings().weight
     name = next(n for n, p in model.named_parameters() if p is head)
-    assert tu._plain_lm_head(model, {name: head}) is None
+    assert tu.plain_lm_head(model, {name: head}) is None
+
+
+def _hand_written_vs_generic(model, batch, direction) -> tuple[torch.Tensor, torch.Tensor]:
+    return (tu.token_utilities(model, *inputs(batch), direction),
+            tu.token_utilities(model, *inputs(batch), direction, hand_written=False))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("last_layers", [1, 3])
+def test_hand_written_layer_rules_equal_generic_forward_mode(models, tokenizer, monkeypatch, preset, dtype,
+                                                            last_layers):
+    """RMSNorm, rotary GQA attention (Qwen2: with q/k/v biases) and SwiGLU carry the tangent by hand: the same
+    utilities as torch's forward-mode AD through the model (fp32 to 1e-5 relative), without entering it."""
+    import copy
+
+    model = copy.deepcopy(models[preset]).to(dtype)
+    batch = padded_batch(len(tokenizer), seed=6)
+    direction = random_direction(tu.scoring_parameters(model, last_layers), seed=13)
+    plan = tu.plan_dual_layers(model, direction)
+    assert plan is not None and plan.first == 4 - last_layers
+    generic = tu.token_utilities(model, *inputs(batch), direction, hand_written=False)
+    monkeypatch.setattr(tu, "_forward_ad_window_tangent", lambda *a: pytest.fail("took the forward-AD path"))
+    fast = tu.token_utilities(model, *inputs(batch), direction)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert generic.abs().max() > 0
+    assert (fast - generic).abs().max() <= tolerance * generic.abs().max()
+    assert torch.equal(fast == 0, generic == 0)
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)  # the patched forwards are gone
+
+
+def test_hand_written_rules_cover_partial_directions_masks_and_eager(models, tokenizer):
+    """Direction on a few tensors of one layer (the layers after it still carry the tangent), a bias, a norm
+    weight; an unpadded batch (no mask tensor); eager attention (an additive float mask)."""
+    model = models["tiny-qwen2"]
+    batch = padded_batch(len(tokenizer), seed=7)
+    params = dict(model.named_parameters())
+    for names in (["model.layers.1.mlp.up_proj.weight"], ["model.layers.2.self_attn.k_proj.bias"],
+                  ["model.layers.2.post_attention_layernorm.weight", "model.layers.3.self_attn.v_proj.weight"],
+                  ["model.layers.3.input_layernorm.weight"]):
+        direction = random_direction({n: params[n] for n in names}, seed=3)
+        fast, generic = _hand_written_vs_generic(model, batch, direction)
+        assert generic.abs().max() > 0 and (fast - generic).abs().max() <= 1e-5 * generic.abs().max(), names
+    direction = random_direction(tu.scoring_parameters(model, 2), seed=4)
+    full = {key: value[:2, :18] for key, value in batch.items()}  # rows of length 24 and 18: no padding left
+    fast, generic = _hand_written_vs_generic(model, full, direction)
+    assert (fast - generic).abs().max() <= 1e-5 * generic.abs().max()
+    eager = build_tiny_model("tiny-llama", tokenizer, seed=3, attn_implementation="eager")
+    direction = random_direction(tu.scoring_parameters(eager, 2), seed=5)
+    fast, generic = _hand_written_vs_generic(eager, batch, direction)
+    assert (fast - generic).abs().max() <= 1e-5 * generic.abs().max()
+
+
+def test_directions_outside_the_decoder_layers_take_the_generic_path(models):
+    model = models["tiny-llama"]
+    params = dict(model.named_parameters())
+    assert tu.plan_dual_layers(model, {"model.norm.weight": params["model.norm.weight"]}) is None
+    embed = "model.embed_tokens.weight"
+    layer = "model.layers.3.mlp.down_proj.weight"
+    assert tu.plan_dual_layers(model, {embed: params[embed], layer: params[layer]}) is None
+    assert tu.plan_dual_layers(model, {layer: params[layer]}).first == 3
 
 
 def test_utilities_are_the_directional_derivative_of_token_losses(tokenizer):
@@ -291,7 +352,8 @@ def test_eager_models_stay_eager(tokenizer):
 
 
 def test_only_layers_with_tangents_run_sdpa_through_the_math_backend(models, tokenizer):
-    # L = 2 of 4: layers 0-1 run a plain forward with the fused kernels allowed, layers 2-3 carry tangents (MATH).
+    # The generic forward-mode path. L = 2 of 4: layers 0-1 run a plain forward with the fused kernels allowed,
+    # layers 2-3 carry tangents (MATH).
     model = models["tiny-llama"]
     batch = padded_batch(len(tokenizer), seed=2)
     direction = random_direction(tu.scoring_parameters(model, 2), seed=2)
@@ -299,7 +361,7 @@ def test_only_layers_with_tangents_run_sdpa_through_the_math_backend(models, tok
     record = lambda *_: fused_allowed.append(torch.backends.cuda.flash_sdp_enabled())  # noqa: E731
     hooks = [layer.self_attn.register_forward_pre_hook(record) for layer in model.model.layers]
     try:
-        tu.token_utilities(model, *inputs(batch), direction)
+        tu.token_utilities(model, *inputs(batch), direction, hand_written=False)
     finally:
         for hook in hooks:
             hook.remove()
