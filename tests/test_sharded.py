@@ -273,6 +273,51 @@ def test_sharded_stage_publishes_shards_into_the_stage_folder_and_is_skipped_whe
     assert again["finished"] == record["finished"], "a current stage is skipped"
 
 
+def test_a_warm_worker_builds_a_udf_once_per_class_and_arguments(tmp_path):
+    from raycurate.stages.warm_pool import WarmShardWorker
+
+    worker = WarmShardWorker()
+    first = worker.udf_for(LengthScoreUDF, {"scale": 2})
+    assert worker.udf_for(LengthScoreUDF, {"scale": 2}) is first
+    assert worker.udf_for(LengthScoreUDF, {"scale": 3}) is not first
+    assert worker.stats()["builds"] == 2 and worker.stats()["holding"]
+    worker.release()
+    assert not worker.stats()["holding"]
+    total = write_input(tmp_path / "in", [12])
+    files = list_input_files(tmp_path / "in")
+    (tmp_path / "out").mkdir()
+    marker = worker.process(LengthScoreUDF, {"scale": 2}, files, str(tmp_path / "out"), "k", None, Shard(0, 0, total))
+    assert marker["rows"] == total and worker.stats()["builds"] == 3
+    assert read_parts(tmp_path / "out")["score"].to_pylist() == expected_scores(total, 2)
+
+
+@pytest.mark.ray
+def test_a_warm_pool_keeps_its_processes_and_model_across_maps(pickled_tests, tmp_path):
+    """Maps on a WarmPool give the parts of a cold pool; a second map with the same UDF and arguments builds
+    nothing, other arguments rebuild, release drops the UDFs, and the processes stay the same throughout."""
+    from raycurate.stages.warm_pool import WarmPool
+
+    total = write_input(tmp_path / "in", [23, 17])
+    common = dict(shard_rows=10, num_actors=2, num_cpus_per_actor=0.5, progress=False)
+    sharded_map(tmp_path / "in", tmp_path / "cold", LengthScoreUDF, {"scale": 2}, **common)
+    cold = read_parts(tmp_path / "cold" / "shards")
+    with WarmPool(2, 0.5) as pool:
+        sharded_map(tmp_path / "in", tmp_path / "w1", LengthScoreUDF, {"scale": 2}, pool=pool, **common)
+        before = pool.stats()
+        assert sum(s["builds"] for s in before) == 2  # 4 shards on 2 actors: one UDF each
+        sharded_map(tmp_path / "in", tmp_path / "w2", LengthScoreUDF, {"scale": 2}, pool=pool, **common)
+        assert pool.stats() == before  # same processes, nothing rebuilt
+        metrics = sharded_map(tmp_path / "in", tmp_path / "w3", LengthScoreUDF, {"scale": 3}, pool=pool, **common)
+        after = pool.stats()
+        assert [s["pid"] for s in after] == [s["pid"] for s in before] and sum(s["builds"] for s in after) == 4
+        pool.release()
+        assert not any(s["holding"] for s in pool.stats())
+    assert pool.actors == []
+    assert read_parts(tmp_path / "w1" / "shards").equals(cold) and read_parts(tmp_path / "w2" / "shards").equals(cold)
+    assert metrics["rows"] == total
+    assert read_parts(tmp_path / "w3" / "shards")["score"].to_pylist() == expected_scores(total, 3)
+
+
 def test_sharded_map_needs_ray_started_by_init_ray(tmp_path, monkeypatch):
     import ray
 

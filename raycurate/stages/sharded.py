@@ -290,10 +290,16 @@ class ShardWorker:
 
     def process(self, shard: Shard) -> dict:
         """Map one shard and write it; returns the marker (a small dict: the driver never sees the rows)."""
-        started = time.perf_counter()
-        table = read_row_range(self.files, shard.start, shard.stop)
-        out = with_row_index(apply_udf(self.udf, table, self.batch_rows), shard)
-        return write_shard(self.shards_dir, shard, out, self.key, time.perf_counter() - started)
+        return map_shard(self.udf, self.files, self.shards_dir, self.key, self.batch_rows, shard)
+
+
+def map_shard(udf: Any, files: list[InputFile], shards_dir: str, key: str, batch_rows: int | None,
+              shard: Shard) -> dict:
+    """Read ``shard``'s rows, apply ``udf``, write the part and its marker; returns the marker."""
+    started = time.perf_counter()
+    table = read_row_range(files, shard.start, shard.stop)
+    out = with_row_index(apply_udf(udf, table, batch_rows), shard)
+    return write_shard(shards_dir, shard, out, key, time.perf_counter() - started)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -363,6 +369,7 @@ def sharded_map(
     batch_rows: int | None = None,
     progress: bool = True,
     in_process: bool = False,
+    pool: Any = None,
 ) -> dict:
     """Map ``udf_cls`` over a parquet input shard by shard on a Ray actor pool, resuming finished shards.
 
@@ -385,6 +392,10 @@ def sharded_map(
         in_process: Run the shards one after another in this process (one UDF instance, no actors, Ray not
             needed; same plan, markers, parts and resume).  For cheap CPU UDFs on inputs small enough that
             starting worker processes (Python + torch imports) costs more than the map.
+        pool: A :class:`~raycurate.stages.warm_pool.WarmPool` whose actors map the shards instead of a pool started
+            for this map and killed after it: they keep their processes, and the UDF (its model) from an earlier
+            map with the same UDF and arguments.  Its first ``num_actors`` actors are used; its own reservations
+            apply (``num_cpus_per_actor`` / ``num_gpus_per_actor`` / ``max_restarts`` are the pool's).
 
     Returns:
         Metrics: ``{shards, shards_skipped, shards_computed, rows, rows_computed, seconds, rows_per_s, plan,
@@ -411,6 +422,7 @@ def sharded_map(
     todo = collections.deque(s for s in shards if s.index not in done)
     log.info("sharded_map %s: %d rows, %d shards (%d done, %d to compute), %s", udf_cls.__name__, total_rows,
              len(shards), len(done), len(todo), "in process" if in_process else
+             f"{len(pool.actors)} warm actors" if pool is not None else
              f"{num_actors} actors x ({num_cpus_per_actor:.2f} CPU, {num_gpus_per_actor:.2f} GPU)")
 
     bar = tqdm(total=len(shards), initial=len(done), desc=f"{udf_cls.__name__} shards", unit="shard",
@@ -422,15 +434,20 @@ def sharded_map(
             while worker is not None and todo:
                 worker.process(todo.popleft())
                 bar.update(1)
+        elif pool is not None:
+            args = (udf_cls, ctor_kwargs, files, str(shards_dir), key, batch_rows)
+            _run_pool(pool.actors[:min(num_actors, len(todo))], todo, bar,
+                      lambda actor, shard: actor.process.options(retry_exceptions=True).remote(*args, shard))
         else:
             actor_cls = ray.remote(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor,
                                    max_restarts=max_restarts, max_task_retries=max_task_retries)(ShardWorker)
             actors = [actor_cls.remote(udf_cls, ctor_kwargs, files, str(shards_dir), key, batch_rows)
                       for _ in range(min(num_actors, max(len(todo), 1)))] if todo else []
-            _run_pool(actors, todo, bar)
+            _run_pool(actors, todo, bar,
+                      lambda actor, shard: actor.process.options(retry_exceptions=True).remote(shard))
     finally:
         bar.close()
-        for actor in actors:
+        for actor in actors:  # a warm pool's actors stay: the pool's owner closes it
             ray.kill(actor)
     verify_coverage(shards_dir, shards, total_rows)
     seconds = time.perf_counter() - started
@@ -441,8 +458,9 @@ def sharded_map(
             "shards_dir": str(shards_dir)}
 
 
-def _run_pool(actors: list, todo: collections.deque, bar: Any) -> None:
-    """Keep every actor busy with up to ``_IN_FLIGHT_PER_ACTOR`` shards until ``todo`` is empty."""
+def _run_pool(actors: list, todo: collections.deque, bar: Any, call: Any) -> None:
+    """Keep every actor busy with up to ``_IN_FLIGHT_PER_ACTOR`` shards until ``todo`` is empty;
+    ``call(actor, shard)`` submits one shard and returns its object ref."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
@@ -450,8 +468,7 @@ def _run_pool(actors: list, todo: collections.deque, bar: Any) -> None:
 
     def submit(actor: Any) -> None:
         shard = todo.popleft()
-        ref = actor.process.options(retry_exceptions=True).remote(shard)
-        in_flight[ref] = (shard, actor)
+        in_flight[call(actor, shard)] = (shard, actor)
 
     for _ in range(_IN_FLIGHT_PER_ACTOR):
         for actor in actors:
