@@ -58,6 +58,22 @@ class DualPlan:
     tangents: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder-layer ModuleList (``model.model.layers``) and its qualified name inside ``model``."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__} has no `model.model.layers` ModuleList; scoring_parameters supports "
+            "Llama/Qwen2/Mistral/Gemma-style causal LMs (XxxForCausalLM wrapping XxxModel.layers). Pass the "
+            "restricted parameters explicitly as a {name: parameter} dict for other architectures."
+        )
+    for name, module in model.named_modules():
+        if module is layers:
+            return name, layers
+    raise ValueError("model.model.layers is not registered as a submodule of the model; cannot name its parameters")
+
+
 def plan_dual_layers(model: nn.Module, direction: Mapping[str, torch.Tensor]) -> DualPlan | None:
     """A :class:`DualPlan` when every direction parameter belongs to a supported decoder layer; else None.
 
@@ -69,20 +85,18 @@ def plan_dual_layers(model: nn.Module, direction: Mapping[str, torch.Tensor]) ->
 
     if int(transformers.__version__.split(".")[0]) < 5:
         return None  # decoder layers returned tuples before transformers 5; the patched forward returns a tensor
-    decoder = getattr(model, "model", None)
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not _is_rms_norm(getattr(decoder, "norm", None)):
+    try:
+        prefix, layers = decoder_layers(model)
+    except ValueError:
         return None
-    prefix = next((name for name, module in model.named_modules() if module is layers), None)
-    if prefix is None or not direction:
+    if not direction or not _is_rms_norm(getattr(model.model, "norm", None)):
         return None
-    params = dict(model.named_parameters())
     tangents: dict[int, dict[str, torch.Tensor]] = {}
     for name, tangent in direction.items():
         index, _, suffix = name.removeprefix(f"{prefix}.").partition(".")
         if not name.startswith(f"{prefix}.") or not index.isdigit() or suffix not in _PARAM_SUFFIXES:
             return None
-        param = params[name]
+        param = layers[int(index)].get_parameter(suffix)
         tangents.setdefault(int(index), {})[suffix] = tangent.detach().to(param.device, param.dtype)
     first = min(tangents)
     if not all(_is_supported_layer(layers[i]) for i in range(first, len(layers))):

@@ -54,6 +54,7 @@ from torch import nn
 
 from raycurate.algorithms.dual_layers import (
     DualPlan,
+    decoder_layers,
     patched_dual_layers,
     plain_lm_head,
     plan_dual_layers,
@@ -70,22 +71,6 @@ _BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
 # ------------------------------------------------------------------------------------------- parameters
 
 
-def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The decoder-layer ModuleList (``model.model.layers``) and its qualified name inside ``model``."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(
-            f"{type(model).__name__} has no `model.model.layers` ModuleList; scoring_parameters supports "
-            "Llama/Qwen2/Mistral/Gemma-style causal LMs (XxxForCausalLM wrapping XxxModel.layers). Pass the "
-            "restricted parameters explicitly as a {name: parameter} dict for other architectures."
-        )
-    for name, module in model.named_modules():
-        if module is layers:
-            return name, layers
-    raise ValueError("model.model.layers is not registered as a submodule of the model; cannot name its parameters")
-
-
 def scoring_parameters(model: nn.Module, last_layers: int = 4) -> dict[str, nn.Parameter]:
     """Parameters of the final ``last_layers`` transformer layers (the BRIDGE gradient scope, paper Table 8).
 
@@ -97,7 +82,7 @@ def scoring_parameters(model: nn.Module, last_layers: int = 4) -> dict[str, nn.P
         ``{qualified name: parameter}`` in ``model.named_parameters()`` order; names are usable with
         ``torch.func.functional_call(model, ...)``.
     """
-    prefix, layers = _decoder_layers(model)
+    prefix, layers = decoder_layers(model)
     n_layers = len(layers)
     if not 1 <= last_layers <= n_layers:
         raise ValueError(
@@ -288,7 +273,7 @@ def _math_sdpa_from_first_dual_layer(model: nn.Module) -> Iterator[None]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     try:
-        _, layers = _decoder_layers(model)
+        _, layers = decoder_layers(model)
     except ValueError:
         with sdpa_kernel([SDPBackend.MATH]):
             yield

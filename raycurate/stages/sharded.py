@@ -128,12 +128,17 @@ def plan_shards(total_rows: int, shard_rows: int) -> list[Shard]:
             for k, start in enumerate(range(0, total_rows, shard_rows))]
 
 
+def udf_name(udf_cls: type) -> str:
+    """The UDF class's qualified name, as plan keys and stage hashes record it."""
+    return f"{udf_cls.__module__}.{udf_cls.__qualname__}"
+
+
 def plan_key(files: list[InputFile], shard_rows: int, udf_cls: type, ctor_kwargs: dict) -> str:
     """Hash of everything that fixes the shard outputs: input files, shard size, UDF and its arguments."""
     payload = {
         "files": [[os.path.basename(f.path), f.rows, f.size, f.mtime_ns] for f in files],
         "shard_rows": shard_rows,
-        "udf": f"{udf_cls.__module__}.{udf_cls.__qualname__}",
+        "udf": udf_name(udf_cls),
         "ctor_kwargs": ctor_kwargs,
     }
     text = json.dumps(payload, sort_keys=True, default=str)
@@ -527,7 +532,7 @@ def sharded_stage(
         metrics["shards_dir"] = SHARDS_DIR
         return StageOutput(outputs={"shards": SHARDS_DIR}, metrics=metrics)
 
-    record = run_stage(run, stage, body, config={"udf": f"{udf_cls.__module__}.{udf_cls.__qualname__}",
+    record = run_stage(run, stage, body, config={"udf": udf_name(udf_cls),
                                                  "ctor_kwargs": ctor_kwargs, "config": config,
                                                  "shard_rows": map_kwargs.get("shard_rows")},
                        upstream=upstream, force=force)

@@ -23,13 +23,14 @@ import os
 import sys
 from typing import Any
 
+from raycurate.stages.sharded import map_shard, udf_name
+
 log = logging.getLogger("raycurate")
 
 
 def udf_identity(udf_cls: type, ctor_kwargs: dict) -> str:
     """What makes two UDF instances interchangeable: the class and its constructor arguments."""
-    return json.dumps({"udf": f"{udf_cls.__module__}.{udf_cls.__qualname__}", "ctor_kwargs": ctor_kwargs},
-                      sort_keys=True, default=str)
+    return json.dumps({"udf": udf_name(udf_cls), "ctor_kwargs": ctor_kwargs}, sort_keys=True, default=str)
 
 
 class WarmShardWorker:
@@ -53,8 +54,6 @@ class WarmShardWorker:
     def process(self, udf_cls: type, ctor_kwargs: dict, files: list, shards_dir: str, key: str,
                 batch_rows: int | None, shard: Any) -> dict:
         """Map one shard with the (cached) UDF and write it; returns its marker."""
-        from raycurate.stages.sharded import map_shard
-
         return map_shard(self.udf_for(udf_cls, ctor_kwargs), files, shards_dir, key, batch_rows, shard)
 
     def release(self) -> None:
@@ -89,8 +88,6 @@ class WarmPool:
             raise ValueError(f"a warm pool needs at least one actor, got num_actors={num_actors}")
         if not ray.is_initialized():
             raise RuntimeError("WarmPool needs a running Ray: call raycurate.stages.runtime.init_ray() first")
-        self.num_cpus_per_actor = num_cpus_per_actor
-        self.num_gpus_per_actor = num_gpus_per_actor
         actor_cls = ray.remote(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor, max_restarts=max_restarts,
                                max_task_retries=max_task_retries)(WarmShardWorker)
         self.actors: list[Any] = [actor_cls.remote() for _ in range(num_actors)]
