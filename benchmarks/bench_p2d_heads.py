@@ -47,7 +47,7 @@ def main() -> None:
     from raycurate.cli.main import _load_job, demo_job_path
     from raycurate.rundir import RunDir
     from raycurate.stages.base import output_path
-    from raycurate.stages.p2d import token_ids
+    from raycurate.stages.rows import token_ids
     from raycurate.stages.runtime import init_ray
 
     cfg = _load_job(args.job or demo_job_path(), args.overrides)
@@ -92,7 +92,8 @@ def train_seed_proxy(run, cfg, p2d, pool: list[str], seed: int) -> None:
     seed's own sample of ``pool``."""
     from raycurate.config.train import full_batch_train_config
     from raycurate.stages.model_stages import train_stage
-    from raycurate.stages.p2d import heads_stage, ids_subset_stage, seeded_sample
+    from raycurate.stages.p2d import heads_stage
+    from raycurate.stages.rows import ids_subset_stage, seeded_sample
 
     ids = seeded_sample(pool, min(p2d.proxy_examples, len(pool)), seed)
     ids_subset_stage(run, f"p2d_proxy_rows_s{seed}", tokens_stage="tokenize", ids=ids,

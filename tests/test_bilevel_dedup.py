@@ -84,8 +84,23 @@ def test_dedup_stage_flags_later_copies_of_validation_rows_and_of_earlier_candid
 
 
 @pytest.mark.ray
+def test_the_trusted_table_is_the_reference_instead_of_the_validation_split(ray_local, tmp_path):
+    run = RunDir(tmp_path / "run")
+    pool = [("v0", "validation", TEXTS[3], "none"), ("c0", "selection", TEXTS[2], "near_duplicate"),
+            ("c1", "selection", TEXTS[3] + " ok", "none")]  # copies v0, which is no reference here
+    run_stage(run, "tok", lambda out: _tokens(out, pool), config={})
+    run_stage(run, "trusted", lambda out: _tokens(out, [("t0", "trusted", TEXTS[0], "none")]), config={})
+    record = dedup_stage(run, "dedup", tokens_stage="tok", split_column="split", reference_split="validation",
+                         candidate_split="selection", threshold=0.7, reference_stage="trusted")
+    table = pq.read_table(output_path(run, "dedup", "duplicates")).to_pylist()
+    assert [(r["id"], r["duplicate"], r["duplicate_of"]) for r in table] == [("c0", True, "t0"), ("c1", False, "")]
+    assert record["metrics"]["reference_rows"] == 1
+
+
+@pytest.mark.ray
 def test_pipeline_drops_the_flagged_candidates_only_when_asked(ray_local, tmp_path):
     from raycurate.config.bilevel import BilevelConfig
+    from raycurate.config.data import DataConfig
     from raycurate.config.schema import JobConfig
     from raycurate.pipelines.bilevel import near_duplicates, split_rows
     from raycurate.stages.bridge import read_token_rows
@@ -96,7 +111,7 @@ def test_pipeline_drops_the_flagged_candidates_only_when_asked(ray_local, tmp_pa
     run_stage(run, "tokenize", lambda out: _tokens(out, rows), config={})
     off = JobConfig()
     assert near_duplicates(run, off) == []
-    on = JobConfig(bilevel=BilevelConfig(dedup_threshold=0.7))
+    on = JobConfig(bilevel=BilevelConfig(dedup_threshold=0.7), data=DataConfig(trusted_rows=0))  # validation first
     split_rows(run, on)
     kept = [r["id"] for r in read_token_rows(output_path(run, "bilevel_candidate_rows", "tokens"), ["id"])]
     assert kept == ["c0", "c3"]

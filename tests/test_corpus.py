@@ -88,7 +88,7 @@ def test_corruption_kinds_apply_to_their_domain_and_are_balanced(rows):
 
 
 def test_ids_unique_and_formatted(rows):
-    assert [r["id"] for r in rows[:2]] == ["bench-000001", "bench-000002"]
+    assert [r["id"] for r in rows[:2]] == ["bench-s3-000001", "bench-s3-000002"]
     assert len({r["id"] for r in rows}) == len(rows)
 
 
@@ -365,3 +365,29 @@ def test_corpus_stage_keys_and_summarises_the_corruption_mix(tmp_path):
     # equal weights: math's corrupted rows split in halves; code and instruction have only off_topic of the two
     assert by_domain["math"]["swapped_entity"] == by_domain["math"]["off_topic"] > 0
     assert set(by_domain["code"]) == set(by_domain["instruction"]) == {"none", "off_topic"}
+
+
+def test_corpus_seed_is_part_of_the_ids_so_seeds_get_their_own_splits():
+    from raycurate.data.corpus.benchmark import corpus_ids
+    from raycurate.data.splits import assign_splits
+
+    ratios = {"warmup": 0.05, "validation": 0.05, "selection": 0.90}
+    assert corpus_ids(2, 11) == ["bench-s11-000001", "bench-s11-000002"]
+    splits = {seed: assign_splits(corpus_ids(1000, seed), 0, ratios) for seed in (0, 1)}
+    assert splits[0] != splits[1]  # before: every corpus seed had the same 54 / 41 / 905 split
+
+
+def test_trusted_rows_are_clean_seeded_and_disjoint_from_the_excluded_prompts():
+    from raycurate.data.corpus import generate_heldout, generate_trusted
+
+    corpus = generate_corpus(300, seed=5)
+    heldout = generate_heldout(50, seed=5)
+    exclude = {r["prompt"] for r in corpus + heldout}
+    trusted = generate_trusted(40, seed=5, exclude_prompts=exclude)
+    assert len(trusted) == 40 and all(r["label"]["clean"] for r in trusted)
+    assert not exclude & {r["prompt"] for r in trusted}
+    assert len({r["prompt"] for r in trusted}) == 40
+    assert trusted[0]["id"] == "trusted-s5-000001"
+    assert Counter(r["domain"] for r in trusted) == {"math": 24, "code": 8, "instruction": 8}
+    assert generate_trusted(40, seed=5, exclude_prompts=exclude) == trusted
+    assert generate_trusted(40, seed=6, exclude_prompts=exclude) != trusted

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from raycurate.config.train import TrainConfig, full_batch_train_config
-from raycurate.stages.p2d import aer_table, precision, score_separation, seeded_sample, selection_rows
+from raycurate.stages.p2d import aer_table, selection_rows
+from raycurate.stages.rows import precision, score_separation, seeded_sample
 
 
 def test_seeded_sample_is_reproducible_sorted_and_distinct():

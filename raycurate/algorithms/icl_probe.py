@@ -15,7 +15,8 @@ Decisions:
   these fillers give the prompt its full length (so its weights are normalised over as many demonstrations as every
   other prompt) but are marked ``counted=False`` and must not enter :func:`aggregate_example_scores`.
 * Queries of a prompt are drawn from the pool minus that prompt's demonstrations (fillers included), so an example
-  is never its own query and demos and queries are disjoint.
+  is never its own query and demos and queries are disjoint; with a trusted set they are drawn from the trusted rows
+  instead (``query_examples``), so a query's gold answer is never a corrupted pool response.
 * The gold-likelihood score is ``exp(mean log p(answer token))``, the geometric-mean token probability in (0, 1]:
   it must be non-negative and higher-is-better, because it multiplies the attention weight.
 * Examples that were never a counted demonstration get NaN from :func:`aggregate_example_scores`;
@@ -49,23 +50,26 @@ class IclPrompt:
         queries: Query example indices, in prompt order; disjoint from ``demos``.
         counted: Per demonstration, whether this appearance counts towards the example's score (False only for
             fillers of a round's last prompt); empty means all count.
+        separate_queries: The queries index a separate query set (the trusted rows), not the pool.
     """
 
     demos: tuple[int, ...]
     queries: tuple[int, ...]
     counted: tuple[bool, ...] = ()
+    separate_queries: bool = False
 
     def __post_init__(self) -> None:
         if not self.counted:
             object.__setattr__(self, "counted", (True,) * len(self.demos))
         if len(self.counted) != len(self.demos):
             raise ValueError(f"counted has {len(self.counted)} entries for {len(self.demos)} demonstrations")
-        if set(self.demos) & set(self.queries):
+        if not self.separate_queries and set(self.demos) & set(self.queries):
             raise ValueError(f"demonstrations {self.demos} and queries {self.queries} overlap")
 
 
 def icl_rounds(
-    n_examples: int, n_rounds: int, demos_per_prompt: int = 5, queries_per_prompt: int = 3, *, seed: int
+    n_examples: int, n_rounds: int, demos_per_prompt: int = 5, queries_per_prompt: int = 3, *, seed: int,
+    query_examples: int | None = None,
 ) -> list[IclPrompt]:
     """Seeded probing prompts in which every example is a counted demonstration exactly ``n_rounds`` times.
 
@@ -75,6 +79,8 @@ def icl_rounds(
         demos_per_prompt: Demonstrations per prompt (paper: 5).
         queries_per_prompt: Queries per prompt (paper: 3).
         seed: Seed of the permutations, fillers and queries; same seed, same prompts.
+        query_examples: Size Q of a separate query set (the trusted rows): each prompt's queries are drawn from
+            ``range(Q)`` instead of from the pool; None: from the pool minus the prompt's demonstrations.
 
     Returns:
         ``n_rounds * ceil(N / demos_per_prompt)`` prompts, round by round.
@@ -88,7 +94,10 @@ def icl_rounds(
     for name, value in counts.items():
         if isinstance(value, bool) or int(value) != value or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if n_examples < demos_per_prompt + queries_per_prompt:
+    if query_examples is not None and query_examples < queries_per_prompt:
+        raise ValueError(f"the query set has {query_examples} examples but each prompt needs {queries_per_prompt} "
+                         "queries; add trusted rows or lower p2d.queries")
+    if n_examples < demos_per_prompt + (0 if query_examples is not None else queries_per_prompt):
         raise ValueError(
             f"the pool has {n_examples} examples but each prompt needs {demos_per_prompt} demonstrations + "
             f"{queries_per_prompt} disjoint queries; use a larger pool or fewer demonstrations/queries"
@@ -105,19 +114,24 @@ def icl_rounds(
                     order[start : start + demos_per_prompt].tolist(),
                     demos_per_prompt,
                     queries_per_prompt,
+                    query_examples,
                 )
             )
     return prompts
 
 
-def _prompt(rng: np.random.Generator, n_examples: int, chunk: list[int], n_demos: int, n_queries: int) -> IclPrompt:
+def _prompt(rng: np.random.Generator, n_examples: int, chunk: list[int], n_demos: int, n_queries: int,
+            query_examples: int | None = None) -> IclPrompt:
     fillers = _draw_excluding(rng, n_examples, set(chunk), n_demos - len(chunk))
     demos, counted = chunk + fillers, [True] * len(chunk) + [False] * len(fillers)
     if fillers:  # fillers must not always sit last (position biases attention)
         shuffle = rng.permutation(len(demos))
         demos, counted = [demos[i] for i in shuffle], [counted[i] for i in shuffle]
-    queries = _draw_excluding(rng, n_examples, set(demos), n_queries)
-    return IclPrompt(tuple(demos), tuple(queries), tuple(counted))
+    if query_examples is not None:
+        queries = _draw_excluding(rng, query_examples, set(), n_queries)
+    else:
+        queries = _draw_excluding(rng, n_examples, set(demos), n_queries)
+    return IclPrompt(tuple(demos), tuple(queries), tuple(counted), separate_queries=query_examples is not None)
 
 
 def _draw_excluding(rng: np.random.Generator, n: int, exclude: set[int], k: int) -> list[int]:

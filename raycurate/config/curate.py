@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 from raycurate.config.base import option
 
-CURATE_STEPS = ("dedup", "bds", "p2d", "bridge")
+CURATE_STEPS = ("dedup", "reference", "bds", "p2d", "mask", "bridge")
 #: Example-level steps that rank the rows (``keep_fraction`` applies); ``dedup`` only drops near-duplicates.
-RANKING_STEPS = ("bds", "p2d")
+RANKING_STEPS = ("reference", "bds", "p2d")
+#: Token-level steps: at most one, and last (they act on the rows the example-level steps kept).
+TOKEN_STEPS = ("mask", "bridge")
 #: The split every step curates (BRIDGE's selection split and the bilevel candidate pool).
 POOL_SPLIT = "selection"
 
@@ -16,8 +18,8 @@ POOL_SPLIT = "selection"
 def steps_problems(steps: list[str]) -> list[str]:
     """Problems of an ordered ``curate.steps`` list (empty when it is valid).
 
-    Valid: at least one step, each one of :data:`CURATE_STEPS`, no step twice, ``bridge`` (the only token-level
-    step) last.
+    Valid: at least one step, each one of :data:`CURATE_STEPS`, no step twice, at most one token-level step
+    (:data:`TOKEN_STEPS`), and it last.
     """
     if not steps:
         return [f"curate.steps: is empty; list at least one step, e.g. [bds, bridge] (allowed: "
@@ -29,10 +31,13 @@ def steps_problems(steps: list[str]) -> list[str]:
     repeated = sorted({s for s in steps if steps.count(s) > 1})
     if repeated:
         problems.append(f"curate.steps: {repeated} appear more than once; each step runs at most once")
-    if "bridge" in steps and steps[-1] != "bridge":
-        problems.append(f"curate.steps: 'bridge' must be the last step (token selection runs on the rows the "
-                        f"example-level steps kept); got {steps}, e.g. use "
-                        f"{[s for s in steps if s != 'bridge'] + ['bridge']}")
+    token_steps = [s for s in steps if s in TOKEN_STEPS]
+    if len(token_steps) > 1:
+        problems.append(f"curate.steps: {token_steps} are both token-level steps; keep one of them")
+    elif token_steps and steps[-1] != token_steps[0]:
+        step = token_steps[0]
+        problems.append(f"curate.steps: {step!r} must be the last step (token selection runs on the rows the "
+                        f"example-level steps kept); got {steps}, e.g. use {[s for s in steps if s != step] + [step]}")
     return problems
 
 
@@ -41,15 +46,28 @@ class CurateConfig:
     """Composable curation: example-level selection / weighting, then token-level selection, then one SFT."""
 
     steps: list[str] = option(
-        ["bds", "bridge"], "Ordered steps: dedup (drop near-duplicates), bds (keep the top rows by the learned BDS "
-        "weight), p2d (keep the top rows by the P2D ICL score), bridge (token selection on the kept rows; last "
-        "only). Each example-level step filters the rows the previous one kept.")
+        ["bds", "bridge"], "Ordered steps: dedup (drop near-duplicates), reference (keep the rows a LoRA reference "
+        "trained on the trusted set finds least surprising), bds (keep the top rows by the learned BDS weight), p2d "
+        "(keep the top rows by the P2D ICL score), then at most one token-level step, last: mask (drop the loss of "
+        "the response tokens the reference finds most surprising) or bridge (BRIDGE token selection). Each "
+        "example-level step filters the rows the previous one kept.")
     keep_fraction: float = option(
         0.6, "Share of the rows it receives that each ranking step (bds, p2d) keeps: round(keep_fraction * rows), "
         "halves up.", gt=0, le=1)
     bds_mode: str = option(
         "select", "select: keep the top rows by BDS weight and train on them unweighted; weight: also train with "
         "the kept rows' BDS weights (renormalised to mean 1) as the SFT weight column.", choices=("select", "weight"))
+    reference_signal: str = option(
+        "max", "reference step: the row signal it ranks by (higher loss = worse) under a LoRA reference trained on "
+        "the trusted set: max (the worst token), mean, top3 (mean of the three worst tokens), eos (the end-of-turn "
+        "token), excess_max (worst token of reference minus base loss).",
+        choices=("mean", "max", "top3", "eos", "excess_max"))
+    reference_epochs: int = option(
+        3, "reference step / mask step: epochs of the reference's LoRA fine-tuning on the trusted rows (train.* "
+        "otherwise).", ge=1)
+    mask_threshold: float = option(
+        6.0, "mask step: response tokens whose loss under the trusted reference exceeds this many nats lose their "
+        "loss in the kept rows (the end-of-turn token always keeps it).", gt=0)
     dedup_threshold: float = option(
         0.9, "dedup step: word 3-gram Jaccard similarity at which a row counts as a near-duplicate of an earlier one "
         "(validation rows first, then the pool by id).", gt=0, le=1)
@@ -64,5 +82,6 @@ class CurateConfig:
 
     def methods(self) -> set[str]:
         """The method sections the steps use: bridge, bilevel (bds and dedup split on its splits), p2d."""
-        names = {"bridge": "bridge", "bds": "bilevel", "dedup": "bilevel", "p2d": "p2d"}
+        names = {"bridge": "bridge", "bds": "bilevel", "dedup": "bilevel", "p2d": "p2d", "reference": "reference",
+                 "mask": "reference"}
         return {names[s] for s in self.steps if s in names}

@@ -21,6 +21,16 @@ class DataConfig:
         "Optional separate validation file/folder; its rows form the validation split and the main input is split "
         "over the remaining split_ratios (rescaled).",
     )
+    trusted_input: str | list[str] = option(
+        "",
+        "A small hand-checked file (jsonl/parquet/HF folder, as data.input): the target every method aims at "
+        "(BRIDGE's direction, BDS's upper level, P2D's probe queries, LESS's and DSIR's target, the dedup "
+        "reference). Its rows are never curated or trained on by the comparison arms; a pool row with the same "
+        "prompt is rejected (overlaps_trusted).",
+    )
+    trusted_rows: int = option(
+        200, "Embedded corpus only (when trusted_input is empty): clean rows generated from their own random stream "
+        "as the trusted set, disjoint from the pool, held-out and validation questions (0 = no trusted set).", ge=0)
     strict: bool = option(
         False,
         "Stop at the first bad row with an error naming file, line and field, instead of writing it to rejected.jsonl.",
@@ -70,9 +80,21 @@ class DataConfig:
 
     def input_paths(self) -> list[str]:
         """``input`` as a list (empty list = use the embedded corpus)."""
-        if isinstance(self.input, str):
-            return [self.input] if self.input else []
-        return list(self.input)
+        return _as_paths(self.input)
+
+    def trusted_paths(self) -> list[str]:
+        """``trusted_input`` as a list (empty: none given)."""
+        return _as_paths(self.trusted_input)
+
+    def has_trusted(self) -> bool:
+        """Whether the job has a trusted set: a ``trusted_input`` file, or generated rows on the embedded corpus."""
+        return bool(self.trusted_paths()) or (not self.input_paths() and self.trusted_rows > 0)
+
+
+def _as_paths(value: str | list[str]) -> list[str]:
+    if isinstance(value, str):
+        return [value] if value else []
+    return list(value)
 
 
 @dataclass

@@ -184,11 +184,25 @@ class JobConfig:
         if curating:
             needed.append(("curate (its pool)", POOL_SPLIT))
             problems.extend(self.curate_problems())
+        needs = self.methods_needing_trusted()
+        if needs and not self.data.has_trusted() and not self.data.validation_input:
+            problems.append(f"data.trusted_input: {' and '.join(needs)} need a trusted set (their papers' target is a "
+                            "small hand-checked set, never rows of the pool being curated); give a trusted jsonl / "
+                            "parquet file, or data.trusted_rows > 0 on the embedded corpus")
         for key, split in needed:
             if split not in splits:
                 problems.append(f"{key}: pipeline {self.pipeline!r} needs a split named {split!r}, but "
                                 f"data.split_ratios has only {sorted(splits)}; add it (a 0.0 share is allowed)")
         return problems
+
+    def methods_needing_trusted(self) -> list[str]:
+        """The methods of this job that aim at a trusted set and have no fallback in their paper (BDS, BMO, LESS
+        and DSIR: the bilevel pipeline, or curate's bds step) or by construction (curate's reference and mask steps);
+        BRIDGE and P2D fall back to pool rows as theirs do."""
+        pipeline = self.proving_ground.pipeline if self.pipeline == "proving_ground" else self.pipeline
+        if pipeline == "curate":
+            return [f"the {s} step" for s in self.curate.steps if s in ("reference", "bds", "mask")]
+        return ["bilevel (BDS, BMO, LESS, DSIR)"] if self.runs("bilevel") else []
 
     def curate_problems(self) -> list[str]:
         """What pipeline curate needs of the other sections: every step curates the same pool (the selection

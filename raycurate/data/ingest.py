@@ -32,6 +32,7 @@ from raycurate.data.schema import (
     EMPTY_FILE,
     RESERVED_COLUMNS,
     DataValidationError,
+    Exclusions,
     rejected_row,
 )
 from raycurate.data.splits import SplitAssigner, check_ratios, without_split
@@ -272,8 +273,10 @@ def _one_json_line(entry: dict[str, Any]) -> str:
 class _Ingest:
     """State of one ingest run: counters, writers and the seen-id set."""
 
-    def __init__(self, out_dir: str, strict: bool, known_domains: tuple[str, ...] | list[str], shard_rows: int) -> None:
+    def __init__(self, out_dir: str, strict: bool, known_domains: tuple[str, ...] | list[str], shard_rows: int,
+                 exclude: list[Exclusions] | None = None) -> None:
         self.strict = strict
+        self.exclude = list(exclude or [])
         self.known_domains = known_domains
         self.seen_ids: set[str] = set()
         self.counts = _Counts()
@@ -302,6 +305,11 @@ class _Ingest:
             self.reject(raw, verdict.reason, verdict.field, verdict.detail)
             return
         record = verdict.record
+        for exclusions in self.exclude:
+            overlap = exclusions.match(record)
+            if overlap is not None:
+                self.reject(raw, exclusions.reason, *overlap)
+                return
         split = split_of(record["id"])
         self.writer.add(_with_provenance(record, split, raw.source, raw.line))
         self.counts.accepted += 1
@@ -341,6 +349,7 @@ def ingest(
     progress: bool = True,
     validation_paths: str | list[str] | None = None,
     validation_split: str = "validation",
+    exclude: list[Exclusions] | None = None,
 ) -> IngestResult:
     """Validate and split a corpus into parquet shards, accounting for every input row.
 
@@ -358,6 +367,8 @@ def ingest(
             ``validation_split``, and the main inputs are split with ``split_ratios`` minus that split
             (rescaled).  Reading them first makes a training row that duplicates a validation row the rejected one.
         validation_split: Split name given to ``validation_paths`` rows.
+        exclude: Sets a row must not overlap (same prompt or id): an overlapping row is rejected with the set's
+            reason (e.g. a pool row equal to a trusted row, ``overlaps_trusted``).
 
     Returns:
         :class:`IngestResult`.
@@ -387,7 +398,7 @@ def ingest(
     assigner = SplitAssigner(split_seed, split_ratios)
     os.makedirs(out_dir, exist_ok=True)
 
-    run = _Ingest(out_dir, strict, known_domains, shard_rows)
+    run = _Ingest(out_dir, strict, known_domains, shard_rows, exclude)
     files: list[dict[str, Any]] = []
     bar = tqdm(desc="ingest", unit="rows", disable=not progress, mininterval=0.5)
     try:

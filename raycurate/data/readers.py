@@ -311,15 +311,19 @@ def _is_blank_file(inp: InputFile) -> bool:
     return not data.strip(b" \t\r\n\x00")
 
 
-def require_rows(plan: InputPlan) -> None:
+def require_rows(plan: InputPlan, key: str = "") -> None:
     """Refuse a plan whose every input is an empty (or whitespace-only) file, before anything is written.
+
+    Args:
+        key: The config key the inputs came from, named in the error (e.g. ``data.trusted_input``).
 
     Raises:
         InputError: Naming the empty files (the same words as ingest's own check on compressed inputs).
     """
     if plan.inputs and all(_is_blank_file(inp) for inp in plan.inputs):
         names = ", ".join(inp.source for inp in plan.inputs[:5])
-        raise InputError(f"all inputs are empty (no rows in {names}); check the input paths")
+        raise InputError(f"{key + ': ' if key else ''}all inputs are empty (no rows in {names}); check the input "
+                         "paths")
 
 
 def resolve_inputs(paths: str | list[str]) -> list[InputFile]:

@@ -27,6 +27,8 @@ DUPLICATE_ID = "duplicate_id"
 UNKNOWN_DOMAIN = "unknown_domain"
 OVER_LENGTH = "over_length"
 UNREADABLE_FILE = "unreadable_file"  # the part of a file that broke while being read (truncated .gz, bad page)
+OVERLAPS_TRUSTED = "overlaps_trusted"  # a pool row with a trusted row's prompt or id: the target is not curated
+OVERLAPS_EVALUATION = "overlaps_evaluation"  # a trusted row with a held-out / validation question's prompt
 REASONS: tuple[str, ...] = (
     MALFORMED_JSON,
     NON_UTF8,
@@ -37,6 +39,8 @@ REASONS: tuple[str, ...] = (
     UNKNOWN_DOMAIN,
     OVER_LENGTH,
     UNREADABLE_FILE,
+    OVERLAPS_TRUSTED,
+    OVERLAPS_EVALUATION,
 )
 # File-level condition (no rows): an error in strict mode, a warning otherwise.
 EMPTY_FILE = "empty_file"
@@ -86,3 +90,33 @@ def rejected_row(
         row["id"] = example_id
     row["raw"] = raw if len(raw) <= MAX_RAW_CHARS else raw[:MAX_RAW_CHARS] + "…[truncated]"
     return row
+
+
+def prompt_key(prompt: str) -> str:
+    """A prompt compared for overlap: whitespace runs collapsed and case folded."""
+    return " ".join(prompt.split()).casefold()
+
+
+class Exclusions:
+    """Rows ingest rejects because they overlap another set: by prompt (:func:`prompt_key`) and by id.
+
+    Attributes:
+        reason: The reject reason (:data:`OVERLAPS_TRUSTED`, :data:`OVERLAPS_EVALUATION`).
+        prompts: ``prompt_key`` -> the id of the row it overlaps.
+        ids: Ids that may not be reused.
+        what: What the other set is, for the detail line (e.g. "trusted row", "held-out question").
+    """
+
+    def __init__(self, reason: str, what: str, rows: list[tuple[str, str]]) -> None:
+        self.reason, self.what = reason, what
+        self.prompts = {prompt_key(prompt): row_id for row_id, prompt in rows}
+        self.ids = {row_id for row_id, _ in rows}
+
+    def match(self, record: dict[str, Any]) -> tuple[str, str] | None:
+        """``(field, detail)`` when ``record`` overlaps the set, else None."""
+        other = self.prompts.get(prompt_key(record["prompt"]))
+        if other is not None:
+            return "prompt", f"same prompt as {self.what} {other!r}"
+        if record["id"] in self.ids:
+            return "id", f"same id as {self.what} {record['id']!r}"
+        return None

@@ -57,9 +57,16 @@ def split_rows(run: RunDir, cfg: JobConfig) -> bool:
     def clean_candidates(table: Any) -> Any:
         return pc.and_(candidates(table), pc.struct_field(table["label"], "clean"))
 
-    filter_tokens_stage(run, "bilevel_validation_rows", tokens_stage="tokenize",
-                        description=f"split == {bilevel.validation_split}" + (" and clean" if clean_only else ""),
-                        keep=validation, config={"split": bilevel.validation_split, "clean_only": clean_only})
+    if cfg.data.has_trusted():  # the upper level is the trusted set, never rows of the noisy pool
+        from raycurate.stages.data_stages import TRUSTED_TOKENS
+
+        filter_tokens_stage(run, "bilevel_validation_rows", tokens_stage=TRUSTED_TOKENS,
+                            description="the trusted set (data.trusted_input)", keep=every_row,
+                            config={"trusted": True})
+    else:
+        filter_tokens_stage(run, "bilevel_validation_rows", tokens_stage="tokenize",
+                            description=f"split == {bilevel.validation_split}" + (" and clean" if clean_only else ""),
+                            keep=validation, config={"split": bilevel.validation_split, "clean_only": clean_only})
     filter_tokens_stage(run, "bilevel_candidate_rows", tokens_stage="tokenize",
                         description=f"split == {bilevel.candidate_split}"
                         + (f", minus {len(dropped)} near-duplicates" if dropped else ""), keep=candidates,
@@ -69,6 +76,13 @@ def split_rows(run: RunDir, cfg: JobConfig) -> bool:
                             description=f"split == {bilevel.candidate_split} and clean", keep=clean_candidates,
                             config={"split": bilevel.candidate_split})
     return labelled
+
+
+def every_row(table: Any) -> Any:
+    """A token-table filter keeping every row."""
+    import pyarrow as pa
+
+    return pa.array([True] * table.num_rows)
 
 
 def near_duplicates(run: RunDir, cfg: JobConfig) -> list[str]:
@@ -81,9 +95,12 @@ def near_duplicates(run: RunDir, cfg: JobConfig) -> list[str]:
     if not 0.0 < bilevel.dedup_threshold <= 1.0:
         raise ValueError(f"bilevel.dedup_threshold={bilevel.dedup_threshold} must lie in (0, 1] (a Jaccard "
                          "similarity), or be null to keep every candidate")
+    from raycurate.stages.data_stages import TRUSTED_TOKENS
+
     dedup_stage(run, "bilevel_dedup", tokens_stage="tokenize", split_column="split",
                 reference_split=bilevel.validation_split, candidate_split=bilevel.candidate_split,
-                threshold=bilevel.dedup_threshold, seed=bilevel.seed)
+                threshold=bilevel.dedup_threshold, seed=bilevel.seed,
+                reference_stage=TRUSTED_TOKENS if cfg.data.has_trusted() else None)
     return flagged_ids(run, "bilevel_dedup")
 
 
@@ -97,7 +114,8 @@ def adapter_spec(bilevel: BilevelConfig) -> dict | None:
 def selection_ids(run: RunDir, cfg: JobConfig, method: str) -> list[str]:
     """Candidate ids chosen by a selection baseline (random, dsir, less)."""
     from raycurate.stages.bilevel_select import dsir_select_stage, less_select_stage, selection_count
-    from raycurate.stages.p2d import seeded_sample, selected_ids, token_ids
+    from raycurate.stages.p2d import selected_ids
+    from raycurate.stages.rows import seeded_sample, token_ids
 
     bilevel = cfg.bilevel
     if method == "random":

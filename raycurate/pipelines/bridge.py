@@ -85,21 +85,23 @@ def run_bridge_core(run: RunDir, cfg: JobConfig) -> str:
     diagnostics).  Shared by :func:`run_bridge_selection` and the curate pipeline."""
     from raycurate.stages.bridge import direction_stage, score_stage, select_stage
     from raycurate.stages.bridge_compact import compact_stage
-    from raycurate.stages.data_stages import filter_tokens_stage
+    from raycurate.stages.data_stages import TRUSTED_TOKENS, filter_tokens_stage
     from raycurate.stages.model_stages import train_stage
 
     bridge = cfg.bridge
+    trusted = cfg.data.has_trusted()
     splits = {split: filter_tokens_stage(run, f"bridge_{split}_rows", tokens_stage="tokenize",
                                          description=f"split == {split}", keep=split_equals(split),
                                          config={"split": split})
-              for split in ("warmup", "validation", "selection")}
+              for split in ("warmup", "selection") + (() if trusted else ("validation",))}
     warmup = warmup_stage_of(bridge)
     if warmup == "bridge_warmup":
         warmup_rows = int(splits["warmup"]["metrics"]["rows_kept"])
         warmup_cfg = warmup_train_config(cfg.train, bridge, warmup_rows)
         train_stage(run, warmup, tokens_stage="bridge_warmup_rows", init_stage="base_model", train_cfg=warmup_cfg)
+    # The direction aims at the trusted set; without one at the pool's validation split, as the paper does.
     direction_stage(run, warmup_stage=warmup, base_stage="base_model",
-                    validation_stage="bridge_validation_rows", bridge_cfg=bridge)
+                    validation_stage=TRUSTED_TOKENS if trusted else "bridge_validation_rows", bridge_cfg=bridge)
     # Score once, select per budget: a budget change (rho_p, rho_r, schedule, closure) re-runs only bridge_select.
     score_stage(run, tokens_stage="bridge_selection_rows", warmup_stage=warmup,
                 direction_stage_name="bridge_direction", bridge_cfg=bridge, pool_cfg=cfg.bridge_pool,

@@ -31,6 +31,14 @@ def check_job_inputs(cfg: JobConfig) -> None:
             require_rows(plan)
     if cfg.data.validation_input:
         plan_inputs([cfg.data.validation_input])
+    if cfg.data.trusted_paths():
+        from raycurate.errors import InputError
+
+        try:
+            require_rows(plan_inputs(cfg.data.trusted_paths()), key="data.trusted_input")
+        except InputError as exc:
+            message = str(exc) if str(exc).startswith("data.trusted_input") else f"data.trusted_input: {exc}"
+            raise InputError(message) from exc
     check_model_source(cfg.model.name_or_path)
     if cfg.runs("p2d") and cfg.p2d.task_model:
         check_model_source(cfg.p2d.task_model, key="p2d.task_model")
@@ -104,23 +112,35 @@ def prepare_data(run: RunDir, cfg: JobConfig) -> dict:
         Stage records by name.
     """
     from raycurate.data.corpus import generate_pretraining_texts
-    from raycurate.stages.data_stages import corpus_stage, ingest_stage, tokenize_stage
+    from raycurate.stages.data_stages import TRUSTED_TOKENS, corpus_stage, ingest_stage, tokenize_stage, trusted_stage
     from raycurate.stages.model_stages import base_model_stage
 
     records: dict[str, dict] = {}
     upstream: list[str] = []
+    trusted_inputs, evaluation = cfg.data.trusted_paths(), []
     if cfg.data.input:
-        inputs = [cfg.data.input] if isinstance(cfg.data.input, str) else list(cfg.data.input)
+        inputs = cfg.data.input_paths()
     else:
         records["corpus"] = corpus_stage(
             run, rows=cfg.data.corpus_rows, seed=cfg.data.corpus_seed, corrupt_fraction=cfg.data.corrupt_fraction,
             heldout_rows=cfg.data.heldout_rows, bad_lines=cfg.data.corpus_bad_lines,
             validation_questions=cfg.data.validation_questions, corruption_mix=cfg.data.corruption_mix,
+            trusted_rows=0 if trusted_inputs else cfg.data.trusted_rows,
         )
-        inputs = [str(run.root / records["corpus"]["outputs"]["corpus"])]
+        outputs = records["corpus"]["outputs"]
+        inputs = [str(run.root / outputs["corpus"])]
+        evaluation = [str(run.root / outputs[k]) for k in ("heldout", "validation") if k in outputs]
+        if not trusted_inputs and "trusted" in outputs:
+            trusted_inputs = [str(run.root / outputs["trusted"])]
         upstream = ["corpus"]
+    if trusted_inputs:
+        records["trusted"] = trusted_stage(run, trusted_inputs, cfg.data, evaluation_files=evaluation,
+                                           upstream=upstream, progress=cfg.run.progress)
+    else:
+        log.info(NO_TRUSTED_SET)
     # ingest first: data that is all rejected fails before a base model is pre-trained
-    records["ingest"] = ingest_stage(run, inputs, cfg.data, upstream=upstream, progress=cfg.run.progress)
+    records["ingest"] = ingest_stage(run, inputs, cfg.data, upstream=upstream, progress=cfg.run.progress,
+                                     trusted="trusted" if trusted_inputs else None)
     model = cfg.model
     records["base_model"] = base_model_stage(
         run, model,
@@ -130,11 +150,20 @@ def prepare_data(run: RunDir, cfg: JobConfig) -> dict:
     records["tokenize"] = tokenize_stage(run, accepted_stage="ingest", tokenizer_stage="base_model",
                                          max_length=cfg.data.max_length, pool_cfg=cfg.tokenize)
     record_row_accounting(run, records["ingest"], records["tokenize"])
+    if trusted_inputs:
+        records[TRUSTED_TOKENS] = tokenize_stage(run, accepted_stage="trusted", tokenizer_stage="base_model",
+                                                 max_length=cfg.data.max_length, pool_cfg=cfg.tokenize,
+                                                 stage=TRUSTED_TOKENS)
+        record_row_accounting(run, records["trusted"], records[TRUSTED_TOKENS], key="trusted_rows")
     return records
 
+NO_TRUSTED_SET = ("no trusted set (data.trusted_input): BRIDGE aims at the pool's validation split and P2D probes "
+                  "with pool queries, as their papers do; BDS, BMO, LESS and DSIR need one")
 
-def record_row_accounting(run: RunDir, ingest: dict, tokenize: dict) -> dict:
-    """``rows: {input, accepted, rejected}`` over ingest and tokenization, with ``input == accepted + rejected``."""
+
+def record_row_accounting(run: RunDir, ingest: dict, tokenize: dict, key: str = "rows") -> dict:
+    """``<key>: {input, accepted, rejected}`` over ingest and tokenization, with ``input == accepted + rejected``
+    (``rows`` for the pool, ``trusted_rows`` for the trusted set)."""
     ingest_rows = ingest["metrics"]["rows"]
     tok = tokenize["metrics"]
     by_reason = dict(ingest["metrics"].get("rejected_by_reason", {}))
@@ -149,7 +178,7 @@ def record_row_accounting(run: RunDir, ingest: dict, tokenize: dict) -> dict:
     }
     if rows["input"] != rows["accepted"] + rows["rejected"]:
         raise RuntimeError(f"row accounting does not add up: {rows}; this is a bug, please report it")
-    run.update_manifest(rows=rows)
+    run.update_manifest(**{key: rows})
     return rows
 
 

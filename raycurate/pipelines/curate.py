@@ -60,7 +60,8 @@ def score_step(run: RunDir, cfg: JobConfig, name: str) -> tuple[Step, dict]:
 
         record = dedup_stage(run, "curate_dedup", tokens_stage="tokenize", split_column="split",
                              reference_split=cfg.bilevel.validation_split, candidate_split=POOL_SPLIT,
-                             threshold=cfg.curate.dedup_threshold, seed=cfg.curate.seed)
+                             threshold=cfg.curate.dedup_threshold, seed=cfg.curate.seed,
+                             reference_stage=trusted_table(cfg))
         return Step(name, dropped=frozenset(flagged_ids(run, "curate_dedup"))), dict(record["metrics"])
     if name == "bds":
         from raycurate.pipelines.bilevel import adapter_spec, bilevel_train_config, split_rows
@@ -76,6 +77,16 @@ def score_step(run: RunDir, cfg: JobConfig, name: str) -> tuple[Step, dict]:
         analysis = weight_analysis(run, "curate_bds", "bilevel_candidate_rows")
         info = {k: analysis[k] for k in ("auroc", "auroc_ci95", "candidates") if k in analysis}
         return Step(name, scores=final_weights(run, "curate_bds")), info
+    if name == "reference":
+        from raycurate.algorithms.reference_signals import signal_scores
+        from raycurate.stages.reference import read_signal
+
+        record = reference_scores(run, cfg)
+        values = read_signal(run, REFERENCE_SCORES, cfg.curate.reference_signal)
+        scores = dict(zip(values, signal_scores(list(values.values())).tolist()))
+        separation = record["metrics"].get("separation", {}).get(cfg.curate.reference_signal, {})
+        info = {k: separation[k] for k in ("auroc", "auroc_ci95") if k in separation}
+        return Step(name, scores=scores), info
     if name == "p2d":
         from raycurate.pipelines.p2d import run_p2d_scoring
         from raycurate.stages.p2d import selection_scores
@@ -83,7 +94,48 @@ def score_step(run: RunDir, cfg: JobConfig, name: str) -> tuple[Step, dict]:
         p2d_cfg = dataclasses.replace(cfg, p2d=dataclasses.replace(cfg.p2d, pool_split=POOL_SPLIT))
         run_p2d_scoring(run, p2d_cfg)
         return Step(name, scores=selection_scores(run, "p2d_select")), {}
-    raise ValueError(f"curate step {name!r} is not an example-level step (dedup, bds, p2d)")
+    raise ValueError(f"curate step {name!r} is not an example-level step (dedup, reference, bds, p2d)")
+
+
+REFERENCE_MODEL = "curate_reference"
+REFERENCE_SCORES = "curate_reference_scores"
+
+
+def reference_scores(run: RunDir, cfg: JobConfig) -> dict:
+    """Train the trusted reference (LoRA on the trusted rows, ``curate.reference_epochs``) and score every pool
+    row's response tokens under it and the base model; returns the scores stage's record."""
+    from raycurate.stages.data_stages import TRUSTED_TOKENS
+    from raycurate.stages.model_stages import train_stage
+    from raycurate.stages.reference import reference_scores_stage
+
+    train_cfg = dataclasses.replace(cfg.train, epochs=cfg.curate.reference_epochs, max_steps=None)
+    train_stage(run, REFERENCE_MODEL, tokens_stage=TRUSTED_TOKENS, init_stage="base_model", train_cfg=train_cfg)
+    return reference_scores_stage(run, REFERENCE_SCORES, pool_stage="curate_pool_rows", base_stage="base_model",
+                                  reference_stage=REFERENCE_MODEL, pool_cfg=cfg.p2d_pool, seed=cfg.curate.seed)
+
+
+def token_table(run: RunDir, cfg: JobConfig) -> str:
+    """The pool's token table after the token-level step: BRIDGE's compacted rows, the rows with their most
+    surprising response tokens masked (``mask``), or the pool as it is."""
+    if "bridge" in cfg.curate.steps:
+        from raycurate.pipelines.bridge import run_bridge_core
+
+        return run_bridge_core(run, cfg)
+    if "mask" in cfg.curate.steps:
+        from raycurate.stages.reference import masked_table_stage
+
+        reference_scores(run, cfg)
+        masked_table_stage(run, "curate_masked", tokens_stage="curate_pool_rows", scores_stage=REFERENCE_SCORES,
+                           threshold=cfg.curate.mask_threshold)
+        return "curate_masked"
+    return "curate_pool_rows"
+
+
+def trusted_table(cfg: JobConfig) -> str | None:
+    """The trusted set's token table (a stage name), or None when the job has no trusted set."""
+    from raycurate.stages.data_stages import TRUSTED_TOKENS
+
+    return TRUSTED_TOKENS if cfg.data.has_trusted() else None
 
 
 def arm_weights(cfg: JobConfig, steps: dict[str, Step], ids: list[str], *, uses_bds: bool) -> dict[str, float] | None:
@@ -110,8 +162,10 @@ def matched_arms(run: RunDir, cfg: JobConfig, pool: list[str], steps: dict[str, 
     curate = cfg.curate
     tokens = response_tokens(run, "curate_pool_rows")
     rankings: dict[str, Mapping[str, float]] = {}
+    from raycurate.config.curate import TOKEN_STEPS
+
     for name in curate.steps if len(curate.steps) > 1 else []:
-        if name == "bridge":
+        if name in TOKEN_STEPS:
             continue
         step = steps[name]
         rankings[name] = step.scores if step.scores is not None else {
@@ -181,14 +235,14 @@ def run_curate(cfg: JobConfig) -> dict:
     """``pipeline: curate``: the steps, one SFT on the composed table, the matched-budget arms; returns the
     final manifest (``results.composition``)."""
     from raycurate.algorithms.composition import compose
-    from raycurate.config.curate import POOL_SPLIT
-    from raycurate.pipelines.bridge import run_bridge_core, split_equals
+    from raycurate.config.curate import POOL_SPLIT, TOKEN_STEPS
+    from raycurate.pipelines.bridge import split_equals
     from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout, write_report
     from raycurate.report.composition import COMPOSITION, score_arms
     from raycurate.stages.curate import subset_rows_stage
     from raycurate.stages.data_stages import filter_tokens_stage
     from raycurate.stages.model_stages import evaluate_stage, train_stage
-    from raycurate.stages.p2d import clean_labels, precision, token_ids
+    from raycurate.stages.rows import clean_labels, precision, token_ids
 
     curate = cfg.curate
     run = open_run(cfg)
@@ -197,7 +251,7 @@ def run_curate(cfg: JobConfig) -> dict:
                         keep=split_equals(POOL_SPLIT), config={"split": POOL_SPLIT})
     pool = token_ids(run, "curate_pool_rows")
     labels = clean_labels(run, "curate_pool_rows")
-    example_steps = [s for s in curate.steps if s != "bridge"]
+    example_steps = [s for s in curate.steps if s not in TOKEN_STEPS]
     steps, step_info = {}, {}
     for name in example_steps:
         steps[name], step_info[name] = score_step(run, cfg, name)
@@ -206,7 +260,7 @@ def run_curate(cfg: JobConfig) -> dict:
     for name, rows in zip(example_steps, history):
         step_info[name].update(kept_rows=len(rows), kept_clean_share=precision(rows, labels))
         log.info("curate: after %s %d of %d pool rows kept", name, len(rows), len(pool))
-    table = run_bridge_core(run, cfg) if "bridge" in curate.steps else "curate_pool_rows"
+    table = token_table(run, cfg)
     composed = subset_rows_stage(run, "curate_rows", tokens_stage=table, ids=kept,
                                  weights=arm_weights(cfg, steps, kept, uses_bds="bds" in steps),
                                  description=f"composition {' -> '.join(curate.steps)}")

@@ -66,7 +66,8 @@ def run_p2d_heads(run: RunDir, cfg: JobConfig) -> str:
     """
     from raycurate.config.train import full_batch_train_config
     from raycurate.stages.model_stages import train_stage
-    from raycurate.stages.p2d import heads_stage, ids_subset_stage, seeded_sample, token_ids
+    from raycurate.stages.p2d import heads_stage
+    from raycurate.stages.rows import ids_subset_stage, seeded_sample, token_ids
 
     p2d = cfg.p2d
     pool = pool_stage(run, cfg)
@@ -92,8 +93,12 @@ def run_p2d_scoring(run: RunDir, cfg: JobConfig) -> str:
 
     p2d = cfg.p2d
     pool = run_p2d_heads(run, cfg)
+    from raycurate.stages.data_stages import TRUSTED_TOKENS
+
+    # queries (with their gold answers) from the trusted set; without one from the pool, as the paper
     probe_stage(run, "p2d_probe", pool_stage=pool, base_stage="base_model", heads_stage_name="p2d_heads",
-                p2d_cfg=p2d, pool_cfg=cfg.p2d_pool, max_new_tokens=cfg.eval.max_new_tokens)
+                p2d_cfg=p2d, pool_cfg=cfg.p2d_pool, max_new_tokens=cfg.eval.max_new_tokens,
+                query_stage=TRUSTED_TOKENS if cfg.data.has_trusted() else None)
     select = select_stage(run, "p2d_select", pool_stage=pool, probe_stage_name="p2d_probe", p2d_cfg=p2d)
     log.info("p2d selection: %s", select["metrics"])
     return pool
@@ -101,7 +106,8 @@ def run_p2d_scoring(run: RunDir, cfg: JobConfig) -> str:
 
 def run_p2d_selection(run: RunDir, cfg: JobConfig) -> None:
     """Proxy, head scoring, ICL probing and example selection, plus the data subsets the variants train on."""
-    from raycurate.stages.p2d import ids_subset_stage, ifd_select_stage, seeded_sample, selected_ids, token_ids
+    from raycurate.stages.p2d import ifd_select_stage, selected_ids
+    from raycurate.stages.rows import ids_subset_stage, seeded_sample, token_ids
 
     p2d = cfg.p2d
     pool = run_p2d_scoring(run, cfg)

@@ -21,6 +21,7 @@ from raycurate.config.train import TrainConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir, stage_hash
 from raycurate.stages.bridge import read_token_rows
+from raycurate.stages.data_stages import trusted_rows_in
 
 if TYPE_CHECKING:
     from raycurate.stages.bilevel_train import BDSSettings
@@ -199,6 +200,7 @@ def bds_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage
         os.replace(out / "model" / WEIGHTS_FILE, out / WEIGHTS_FILE)
         outputs = {"model": "model", "weights": WEIGHTS_FILE}
         summary = {k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}
+        summary["trusted_rows"] = trusted_rows_in(run, validation_stage)
         if online:
             generated = collect_generations(rounds_dir, out / "model", candidates, out / GENERATIONS_FILE)
             summary.update(generated)

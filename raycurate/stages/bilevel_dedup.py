@@ -120,8 +120,11 @@ def _signature_batch(batch: dict[str, Any], num_perm: int, seed: int) -> dict[st
 
 def dedup_stage(run: RunDir, stage: str, *, tokens_stage: str, split_column: str, reference_split: str,
                 candidate_split: str, threshold: float, num_perm: int = 64, bands: int = 16, seed: int = 0,
-                force: bool = False) -> dict:
+                reference_stage: str | None = None, force: bool = False) -> dict:
     """Flag the candidates that near-duplicate an earlier row (validation first, then candidates by id).
+
+    ``reference_stage`` (the trusted set's token table) replaces the ``reference_split`` rows as the rows that come
+    first and are never flagged.
 
     Outputs ``duplicates.parquet`` (``id``, ``duplicate``, ``duplicate_of``, ``jaccard``) for the candidates; metrics
     ``candidates``, ``flagged`` and, on labelled data, ``flagged_by_kind`` and ``near_duplicate_recall`` (share of
@@ -137,7 +140,11 @@ def dedup_stage(run: RunDir, stage: str, *, tokens_stage: str, split_column: str
         names = pq.read_schema(next(iter(sorted(source.glob("*.parquet"))))).names
         columns = ["id", split_column, "prompt", "response"] + (["label"] if "label" in names else [])
         all_rows = read_token_rows(source, columns)
-        reference = sorted((r for r in all_rows if r[split_column] == reference_split), key=lambda r: r["id"])
+        if reference_stage is None:
+            reference = sorted((r for r in all_rows if r[split_column] == reference_split), key=lambda r: r["id"])
+        else:
+            trusted = read_token_rows(output_path(run, reference_stage, "tokens"), ["id", "prompt", "response"])
+            reference = sorted(trusted, key=lambda r: r["id"])
         cands = sorted((r for r in all_rows if r[split_column] == candidate_split), key=lambda r: r["id"])
         if not cands:
             raise ValueError(f"{stage}: no rows of split {candidate_split!r} in {tokens_stage} to deduplicate")
@@ -171,9 +178,10 @@ def dedup_stage(run: RunDir, stage: str, *, tokens_stage: str, split_column: str
             metrics["precision"] = float(near[flagged].mean()) if flagged.any() else None
         return StageOutput(outputs={"duplicates": DUPLICATES_FILE}, metrics=metrics)
 
-    config = {"split_column": split_column, "reference": reference_split, "candidates": candidate_split,
-              "threshold": threshold, "num_perm": num_perm, "bands": bands, "seed": seed}
-    return run_stage(run, stage, body, config=config, upstream=[tokens_stage], force=force)
+    config = {"split_column": split_column, "reference": reference_stage or reference_split,
+              "candidates": candidate_split, "threshold": threshold, "num_perm": num_perm, "bands": bands, "seed": seed}
+    upstream = [tokens_stage] + ([reference_stage] if reference_stage else [])
+    return run_stage(run, stage, body, config=config, upstream=upstream, force=force)
 
 
 def flagged_ids(run: RunDir, stage: str) -> list[str]:

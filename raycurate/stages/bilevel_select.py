@@ -24,7 +24,8 @@ from typing import Any, Iterator
 
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
-from raycurate.stages.p2d import clean_labels, precision
+from raycurate.stages.data_stages import trusted_rows_in
+from raycurate.stages.rows import clean_labels, precision
 from raycurate.stages.runtime import run_as_task
 
 SELECTION_FILE = "selection.parquet"
@@ -151,7 +152,8 @@ def dsir_select_stage(run: RunDir, stage: str, *, candidate_stage: str, validati
         chosen = sorted(ids[i] for i in drawn)
         write_selection(out / SELECTION_FILE, ids, "log_weight", [float(w) for w in log_w], set(chosen))
         return StageOutput(outputs={"selection": SELECTION_FILE}, metrics={
-            **selection_metrics(run, candidate_stage, ids, chosen), "validation": len(targets), "buckets": buckets})
+            **selection_metrics(run, candidate_stage, ids, chosen), "validation": len(targets), "buckets": buckets,
+            "trusted_rows": trusted_rows_in(run, validation_stage)})
 
     config = {"method": "dsir", "fraction": fraction, "buckets": buckets, "seed": seed}
     return run_stage(run, stage, body, config=config, upstream=[candidate_stage, validation_stage], force=force)
@@ -408,7 +410,8 @@ def less_select_stage(run: RunDir, stage: str, *, candidate_stage: str, validati
         chosen = sorted(ids[int(i)] for i in top)
         write_selection(out / SELECTION_FILE, ids, "score", scores, set(chosen))
         return StageOutput(outputs={"selection": SELECTION_FILE}, metrics={
-            **selection_metrics(run, candidate_stage, ids, chosen), "dim": dim, **info})
+            **selection_metrics(run, candidate_stage, ids, chosen), "dim": dim, **info,
+            "trusted_rows": trusted_rows_in(run, validation_stage)})
 
     config = {"method": "less", "fraction": fraction, "lora_r": lora_r, "lora_alpha": lora_alpha, "dim": dim,
               "warmup_fraction": warmup_fraction, "warmup_epochs": warmup_epochs, "lr": lr,

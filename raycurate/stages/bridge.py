@@ -17,6 +17,7 @@ from raycurate.config.bridge import BridgeConfig
 from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir
+from raycurate.stages.data_stages import TRUSTED_TOKENS
 from raycurate.stages.ray_data import resolve_pool
 from raycurate.stages.runtime import run_as_task
 
@@ -91,6 +92,9 @@ def direction_stage(run: RunDir, *, warmup_stage: str, base_stage: str, validati
             last_layers=bridge_cfg.last_layers, lam=bridge_cfg.lam, max_rows=bridge_cfg.validation_rows,
             micro_batch=bridge_cfg.micro_batch,
         )
+        info["target"] = validation_stage
+        if validation_stage == TRUSTED_TOKENS:
+            info["trusted_rows"] = info["validation_rows"]
         (out / "direction.json").write_text(json.dumps(info, indent=2))
         return StageOutput(outputs={"direction": DIRECTION_FILE, "info": "direction.json"}, metrics=info)
 

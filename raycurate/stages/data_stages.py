@@ -21,14 +21,16 @@ TOKEN_COLUMNS = ("input_ids", "prompt_len", "loss_mask", "weight", "prompt_offse
 
 def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, heldout_rows: int,
                  bad_lines: int = 0, validation_questions: int = 0, corruption_mix: dict[str, float] | None = None,
-                 force: bool = False) -> dict:
+                 trusted_rows: int = 0, force: bool = False) -> dict:
     """Generate the embedded benchmark corpus (+ ``bad_lines`` invalid lines), its held-out set and (when
-    ``validation_questions`` > 0) its validation questions as jsonl."""
+    ``validation_questions`` > 0) its validation questions as jsonl, and (when ``trusted_rows`` > 0) the trusted
+    set: clean rows whose prompts are none of the others'."""
     from raycurate.data.corpus import (
         bad_input_lines,
         corpus_summary,
         generate_corpus,
         generate_heldout,
+        generate_trusted,
         generate_validation_questions,
         write_jsonl,
     )
@@ -43,11 +45,18 @@ def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, 
         outputs = {"corpus": "corpus.jsonl", "heldout": "heldout.jsonl"}
         metrics = {"corpus_rows": len(corpus), "bad_lines": bad_lines, "heldout_rows": len(heldout),
                    "summary": corpus_summary(corpus)}
+        exclude = {row["prompt"] for row in heldout}
         if validation_questions:
-            exclude = {row["prompt"] for row in heldout}
-            write_jsonl(generate_validation_questions(validation_questions, seed, exclude), out / "validation.jsonl")
+            validation = generate_validation_questions(validation_questions, seed, exclude)
+            write_jsonl(validation, out / "validation.jsonl")
+            exclude |= {row["prompt"] for row in validation}
             outputs["validation"] = "validation.jsonl"
             metrics["validation_questions"] = validation_questions
+        if trusted_rows:
+            trusted = generate_trusted(trusted_rows, seed, exclude | {row["prompt"] for row in corpus})
+            write_jsonl(trusted, out / "trusted.jsonl")
+            outputs["trusted"] = "trusted.jsonl"
+            metrics["trusted_rows"] = len(trusted)
         return StageOutput(outputs=outputs, metrics=metrics)
 
     config: dict[str, Any] = {"rows": rows, "seed": seed, "corrupt_fraction": corrupt_fraction,
@@ -56,12 +65,103 @@ def corpus_stage(run: RunDir, *, rows: int, seed: int, corrupt_fraction: float, 
         config["validation_questions"] = validation_questions
     if corruption_mix:  # likewise: the balanced default keeps the old hashes
         config["corruption_mix"] = dict(sorted(corruption_mix.items()))
+    if trusted_rows:
+        config["trusted_rows"] = trusted_rows
     return run_stage(run, "corpus", body, config=config, force=force)
 
 
+TRUSTED_SPLIT = "trusted"
+#: The token table of the trusted set (a stage name), when the job has one.
+TRUSTED_TOKENS = "tokenize_trusted"
+
+
+def trusted_stage(run: RunDir, inputs: list[str], data_cfg: DataConfig, *, evaluation_files: list[str],
+                  upstream: list[str], progress: bool, force: bool = False) -> dict:
+    """Validate the trusted set into ``trusted/accepted`` (split ``trusted``) plus ``rejected.jsonl``.
+
+    A trusted row whose prompt is a held-out or validation question's (``evaluation_files``) is rejected as
+    ``overlaps_evaluation``: aiming at the questions that results report would leak them.
+
+    Raises:
+        InputError: every trusted row was rejected (or the files hold none).
+    """
+    from raycurate.data.ingest import ingest
+    from raycurate.data.schema import OVERLAPS_EVALUATION, Exclusions
+    from raycurate.errors import InputError
+
+    def body(out: Path) -> StageOutput:
+        questions = [(row["id"], row["prompt"]) for path in evaluation_files for row in _jsonl_rows(Path(path))]
+        exclude = [Exclusions(OVERLAPS_EVALUATION, "evaluation question", questions)] if questions else []
+        try:
+            result = ingest(inputs, str(out / "accepted"), strict=data_cfg.strict, split_seed=data_cfg.split_seed,
+                            split_ratios={TRUSTED_SPLIT: 1.0}, shard_rows=data_cfg.shard_rows, progress=progress,
+                            exclude=exclude)
+        except InputError as exc:
+            raise InputError(f"data.trusted_input: {exc}") from exc
+        _publish_rejected(out)
+        info = result.to_dict()
+        info["accepted_files"] = [f"trusted/accepted/{Path(p).name}" for p in info["accepted_files"]]
+        info["rejected_file"] = "trusted/rejected.jsonl"
+        return StageOutput(outputs={"accepted": "accepted", "rejected": "rejected.jsonl"}, metrics=info)
+
+    from raycurate.data.readers import plan_inputs
+
+    plan = plan_inputs(inputs)
+    config = {"inputs": [_file_fingerprint(p, run) for p in inputs],
+              "files": [_file_fingerprint(inp.path, run) for inp in plan.inputs],
+              "evaluation": [_file_fingerprint(p, run) for p in evaluation_files], "strict": data_cfg.strict}
+    record = run_stage(run, "trusted", body, config=config, upstream=upstream, force=force)
+    rows = record["metrics"]["rows"]
+    if not rows["accepted"]:
+        by_reason = record["metrics"].get("rejected_by_reason") or {}
+        raise InputError(f"data.trusted_input: none of its {rows['input']} rows is usable (rejected: "
+                         f"{', '.join(f'{k} {v}' for k, v in by_reason.items()) or 'none'}); see "
+                         f"{run.root / 'trusted' / 'rejected.jsonl'}, fix the file and re-run")
+    return record
+
+
+def trusted_rows_in(run: RunDir, tokens_stage: str) -> int:
+    """How many rows of a token table are trusted rows (split ``trusted``): what a method's target used."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    return sum(int(pc.sum(pc.equal(pq.read_table(path, columns=["split"])["split"], TRUSTED_SPLIT)).as_py() or 0)
+               for path in sorted(output_path(run, tokens_stage, "tokens").glob("*.parquet")))
+
+
+def trusted_exclusions(run: RunDir, stage: str) -> Any:
+    """The trusted rows' prompts and ids, as the pool's ingest rejects them (``overlaps_trusted``)."""
+    import pyarrow.parquet as pq
+
+    from raycurate.data.schema import OVERLAPS_TRUSTED, Exclusions
+
+    folder = output_path(run, stage, "accepted")
+    rows = [(r["id"], r["prompt"]) for path in sorted(folder.glob("*.parquet"))
+            for r in pq.read_table(path, columns=["id", "prompt"]).to_pylist()]
+    return Exclusions(OVERLAPS_TRUSTED, "trusted row", rows)
+
+
+def _jsonl_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _publish_rejected(out: Path) -> None:
+    """Move ingest's ``accepted/rejected.jsonl`` to the stage folder (an empty file when nothing was rejected)."""
+    (out / "accepted").mkdir(exist_ok=True)
+    rejected = out / "accepted" / "rejected.jsonl"
+    if rejected.exists():
+        rejected.rename(out / "rejected.jsonl")
+    else:
+        (out / "rejected.jsonl").write_text("")
+
+
 def ingest_stage(run: RunDir, inputs: list[str], data_cfg: DataConfig, *, upstream: list[str], progress: bool,
-                 force: bool = False) -> dict:
-    """Validate input files into accepted parquet shards plus ``rejected.jsonl``; record row accounting."""
+                 trusted: str | None = None, force: bool = False) -> dict:
+    """Validate input files into accepted parquet shards plus ``rejected.jsonl``; record row accounting.
+
+    Args:
+        trusted: The :func:`trusted_stage` whose rows the pool may not repeat (same prompt or id), or None.
+    """
     from raycurate.data.ingest import ingest
 
     def body(out: Path) -> StageOutput:
@@ -69,14 +169,10 @@ def ingest_stage(run: RunDir, inputs: list[str], data_cfg: DataConfig, *, upstre
             inputs, str(out / "accepted"), strict=data_cfg.strict, split_seed=data_cfg.split_seed,
             split_ratios=data_cfg.split_ratios, shard_rows=data_cfg.shard_rows, progress=progress,
             validation_paths=[data_cfg.validation_input] if data_cfg.validation_input else None,
+            exclude=[trusted_exclusions(run, trusted)] if trusted else None,
         )
         info = result.to_dict()
-        (out / "accepted").mkdir(exist_ok=True)
-        rejected = out / "accepted" / "rejected.jsonl"
-        if rejected.exists():
-            rejected.rename(out / "rejected.jsonl")
-        else:
-            (out / "rejected.jsonl").write_text("")
+        _publish_rejected(out)
         # record where the files end up (the run-relative final paths), not the temp folder they were written in
         info["accepted_files"] = [f"ingest/accepted/{Path(p).name}" for p in info["accepted_files"]]
         info["rejected_file"] = "ingest/rejected.jsonl"
@@ -92,6 +188,8 @@ def ingest_stage(run: RunDir, inputs: list[str], data_cfg: DataConfig, *, upstre
               "unread": [item["path"] for plan in found for item in plan.unread],
               "validation_inputs": [_file_fingerprint(p, run) for p in validation], "strict": data_cfg.strict,
               "split_seed": data_cfg.split_seed, "split_ratios": data_cfg.split_ratios}
+    if trusted:
+        upstream = [*upstream, trusted]
     record = run_stage(run, "ingest", body, config=config, upstream=upstream, force=force)
     check_rows_accepted(run, record, "ingest")
     return record
@@ -237,7 +335,8 @@ TOKENIZE_IN_PROCESS_ROWS = 20_000
 
 
 def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, max_length: int,
-                   pool_cfg: ActorPoolConfig, in_process: bool | None = None, force: bool = False) -> dict:
+                   pool_cfg: ActorPoolConfig, in_process: bool | None = None, stage: str = "tokenize",
+                   force: bool = False) -> dict:
     """Tokenize accepted rows into ``tokenize/tokens`` (+ ``rejected.jsonl``).
 
     Args:
@@ -254,7 +353,7 @@ def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, ma
 
     def body(out: Path) -> StageOutput:
         udf_kwargs: dict[str, Any] = {"tokenizer_dir": str(tokenizer_dir), "max_length": max_length,
-                                      "stage": "tokenize", "system_prompt": system_prompt}
+                                      "stage": stage, "system_prompt": system_prompt}
         files = list_input_files(accepted)
         local = sum(f.rows for f in files) <= TOKENIZE_IN_PROCESS_ROWS if in_process is None else in_process
         if local:
@@ -275,8 +374,8 @@ def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, ma
     config: dict[str, Any] = {"max_length": max_length}
     if system_prompt != "default":  # keyed only when set, so runs from before the option keep their hashes
         config["system_prompt"] = system_prompt
-    record = run_stage(run, "tokenize", body, config=config, upstream=[accepted_stage, tokenizer_stage], force=force)
-    check_rows_accepted(run, record, "tokenize")
+    record = run_stage(run, stage, body, config=config, upstream=[accepted_stage, tokenizer_stage], force=force)
+    check_rows_accepted(run, record, stage)
     return record
 
 

@@ -19,6 +19,7 @@ from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage
 from raycurate.stages.bridge import read_token_rows
 from raycurate.stages.ray_data import dataset_from_rows, map_with_actor_pool, resolve_pool
+from raycurate.stages.rows import clean_labels, corruption_kinds, precision, score_separation, seeded_sample, token_ids
 from raycurate.stages.runtime import run_as_task
 
 if TYPE_CHECKING:
@@ -27,41 +28,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("raycurate")
 
 HEADS_FILE = "heads.json"
-
-
-# --------------------------------------------------------------------------------------------- row subsets
-
-
-def token_ids(run: RunDir, tokens_stage: str) -> list[str]:
-    """Sorted example ids of a token table."""
-    return sorted(r["id"] for r in read_token_rows(output_path(run, tokens_stage, "tokens"), ["id"]))
-
-
-def seeded_sample(ids: list[str], k: int, seed: int) -> list[str]:
-    """``k`` ids drawn without replacement from the sorted ``ids`` with ``default_rng(seed)``."""
-    import numpy as np
-
-    if not 0 < k <= len(ids):
-        raise ValueError(f"cannot sample {k} examples from a pool of {len(ids)}; lower the sample size")
-    chosen = np.random.default_rng(seed).choice(len(ids), size=k, replace=False)
-    return sorted(ids[i] for i in chosen)
-
-
-def ids_subset_stage(run: RunDir, stage: str, *, tokens_stage: str, ids: list[str], description: str,
-                     force: bool = False) -> dict:
-    """The rows of ``tokens_stage`` whose id is in ``ids`` (the id list is part of the stage config)."""
-    from raycurate.stages.data_stages import filter_tokens_stage
-
-    wanted = sorted(set(ids))
-
-    def keep(table: Any) -> Any:
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        return pc.is_in(table["id"], value_set=pa.array(wanted))
-
-    return filter_tokens_stage(run, stage, tokens_stage=tokens_stage, description=description, keep=keep,
-                               config={"ids": wanted}, force=force)
 
 
 # --------------------------------------------------------------------------------------------- head scoring
@@ -191,13 +157,20 @@ def random_heads(run: RunDir, heads_stage_name: str, seed: int) -> list[list[int
 # --------------------------------------------------------------------------------------------- ICL probing
 
 
-def probe_plan(ids: list[str], p2d_cfg: P2DConfig) -> list[dict]:
-    """The ICL prompts of the iterative randomised probing: ``{prompt_id, demos: [id], queries: [id]}``."""
+def probe_plan(ids: list[str], p2d_cfg: P2DConfig, query_ids: list[str] | None = None) -> list[dict]:
+    """The ICL prompts of the iterative randomised probing: ``{prompt_id, demos: [id], queries: [id]}``.
+
+    Args:
+        ids: The pool (every id a counted demonstration ``p2d.rounds`` times).
+        query_ids: The trusted rows the queries are drawn from; None: from the pool (the paper's protocol).
+    """
     from raycurate.algorithms.icl_probe import icl_rounds
 
     prompts = icl_rounds(len(ids), p2d_cfg.rounds, demos_per_prompt=p2d_cfg.demos,
-                         queries_per_prompt=p2d_cfg.queries, seed=p2d_cfg.seed)
-    return [{"prompt_id": k, "demos": [ids[i] for i in p.demos], "queries": [ids[i] for i in p.queries],
+                         queries_per_prompt=p2d_cfg.queries, seed=p2d_cfg.seed,
+                         query_examples=None if query_ids is None else len(query_ids))
+    queries = ids if query_ids is None else query_ids
+    return [{"prompt_id": k, "demos": [ids[i] for i in p.demos], "queries": [queries[i] for i in p.queries],
              "counted": [bool(c) for c in _counted(p)]} for k, p in enumerate(prompts)]
 
 
@@ -238,7 +211,8 @@ class IclProbeUDF:
     REQUIRED_COLUMNS = ("prompt_id", "demos", "queries")
 
     def __init__(self, model_dir: str, tokens_dir: str, heads: list[list[int]], instruction: str, query_score: str,
-                 max_prompt_tokens: int, max_new_tokens: int, threads: int, stage: str = "p2d_probe"):
+                 max_prompt_tokens: int, max_new_tokens: int, threads: int, stage: str = "p2d_probe",
+                 query_tokens_dir: str | None = None):
         import torch
 
         from raycurate.models.loading import enable_attention_outputs, head_geometry, load_model, load_tokenizer
@@ -257,7 +231,10 @@ class IclProbeUDF:
         enable_attention_outputs(self.model, self.layers)
         from raycurate.data.chat_layout import chat_layout, instruction_ids
 
-        rows = read_token_rows(Path(tokens_dir), ["id", "input_ids", "prompt_len", "response"])
+        columns = ["id", "input_ids", "prompt_len", "response"]
+        rows = read_token_rows(Path(tokens_dir), columns)
+        if query_tokens_dir is not None:  # trusted ids never repeat a pool id (ingest rejects overlaps)
+            rows += read_token_rows(Path(query_tokens_dir), columns)
         self.rows = {r["id"]: r for r in rows}
         self.layout = chat_layout(self.tokenizer)
         self.instruction = instruction_ids(self.tokenizer, self.layout, instruction)
@@ -338,16 +315,24 @@ class IclProbeUDF:
 
 
 def probe_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, heads_stage_name: str,
-                p2d_cfg: P2DConfig, pool_cfg: ActorPoolConfig, max_new_tokens: int = 96, force: bool = False) -> dict:
-    """ICL probing over the pool on a Ray Data actor pool; writes ``probes/*.parquet`` (one row per prompt)."""
+                p2d_cfg: P2DConfig, pool_cfg: ActorPoolConfig, max_new_tokens: int = 96,
+                query_stage: str | None = None, force: bool = False) -> dict:
+    """ICL probing over the pool on a Ray Data actor pool; writes ``probes/*.parquet`` (one row per prompt).
+
+    Args:
+        query_stage: The trusted set's token table, whose rows are the queries (with their gold answers); None:
+            queries from the pool, as the paper.
+    """
     import ray.data
 
     tokens = output_path(run, pool_stage, "tokens")
     model_dir = output_path(run, base_stage, "model")
+    query_tokens = output_path(run, query_stage, "tokens") if query_stage else None
 
     def body(out: Path) -> StageOutput:
         ray.data.DataContext.get_current().execution_options.preserve_order = True
-        plan = probe_plan(token_ids(run, pool_stage), p2d_cfg)
+        query_ids = token_ids(run, query_stage) if query_stage else None
+        plan = probe_plan(token_ids(run, pool_stage), p2d_cfg, query_ids)
         pool = resolve_pool(pool_cfg)
         ds = dataset_from_rows(plan, pool.batch_size)
         ds = map_with_actor_pool(ds, IclProbeUDF, {
@@ -355,19 +340,22 @@ def probe_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, he
             "instruction": p2d_cfg.instruction, "query_score": p2d_cfg.query_score,
             "max_prompt_tokens": p2d_cfg.max_prompt_tokens, "max_new_tokens": max_new_tokens,
             "threads": max(1, int(round(pool.num_cpus))), "stage": stage,
+            "query_tokens_dir": None if query_tokens is None else str(query_tokens),
         }, pool)
         ds.write_parquet(str(out / "probes"))
         rows = read_token_rows(out / "probes", ["tokens", "score"])
+        used = {q for prompt in plan for q in prompt["queries"]}
         return StageOutput(outputs={"probes": "probes"}, metrics={
             "prompts": len(plan), "mean_prompt_tokens": sum(r["tokens"] for r in rows) / max(len(rows), 1),
-            "mean_query_score": sum(r["score"] for r in rows) / max(len(rows), 1)})
+            "mean_query_score": sum(r["score"] for r in rows) / max(len(rows), 1),
+            "query_source": query_stage or pool_stage, "trusted_rows": len(used) if query_stage else 0})
 
     config = {k: getattr(p2d_cfg, k) for k in ("rounds", "demos", "queries", "query_score", "instruction",
                                                 "max_prompt_tokens", "seed")}
     if p2d_cfg.query_score != "loglik":
         config["max_new_tokens"] = max_new_tokens  # generated query scores depend on the budget
-    return run_stage(run, stage, body, config=config, upstream=[pool_stage, base_stage, heads_stage_name],
-                     force=force)
+    upstream = [pool_stage, base_stage, heads_stage_name] + ([query_stage] if query_stage else [])
+    return run_stage(run, stage, body, config=config, upstream=upstream, force=force)
 
 
 # --------------------------------------------------------------------------------------------- selection
@@ -399,48 +387,6 @@ def selection_rows(ids: list[str], scores: Any, chosen: set[str], labels: dict[s
         rows.append({"id": example_id, "s_final": float(scores[i]), "rank": int(rank[i]), "selected": selected,
                      "reason": reason, "clean": labels.get(example_id)})
     return rows
-
-
-def label_values(run: RunDir, tokens_stage: str, key: str) -> dict[str, Any]:
-    """``id -> label[key]`` where the token table carries ground-truth labels (the embedded corpus), else ``{}``."""
-    path = output_path(run, tokens_stage, "tokens")
-    try:
-        rows = read_token_rows(path, ["id", "label"])
-    except Exception:  # noqa: BLE001 - user data has no label column
-        return {}
-    return {r["id"]: (r["label"] or {}).get(key) for r in rows}
-
-
-def clean_labels(run: RunDir, tokens_stage: str) -> dict[str, Any]:
-    """``id -> label.clean`` (``{}`` without labels)."""
-    return label_values(run, tokens_stage, "clean")
-
-
-def corruption_kinds(run: RunDir, tokens_stage: str) -> dict[str, str]:
-    """``id -> label.corruption``, ``"none"`` on clean rows (``{}`` without labels)."""
-    return {i: str(kind or "none") for i, kind in label_values(run, tokens_stage, "corruption").items()}
-
-
-def score_separation(ids: list[str], scores: Any, labels: dict[str, Any], kinds: dict[str, str],
-                     seed: int) -> dict[str, Any]:
-    """AUROC of the selection score (N,) separating clean from corrupted rows, overall and per corruption kind,
-    with seeded bootstrap intervals (``algorithms.ranking.label_separation``); ``{}`` without both classes."""
-    import numpy as np
-
-    from raycurate.algorithms.ranking import label_separation
-
-    known = [i for i, example_id in enumerate(ids) if labels.get(example_id) is not None]
-    clean = np.array([bool(labels[ids[i]]) for i in known], dtype=bool)
-    if clean.all() or not clean.any():
-        return {}
-    kind = np.array([kinds.get(ids[i], "none") if not clean[j] else "none" for j, i in enumerate(known)])
-    return label_separation(np.asarray(scores, dtype=np.float64)[known], clean, kind, seed)
-
-
-def precision(chosen: list[str], labels: dict[str, Any]) -> float | None:
-    """Share of clean rows among ``chosen`` (None without labels)."""
-    known = [labels[i] for i in chosen if labels.get(i) is not None]
-    return sum(bool(v) for v in known) / len(known) if known else None
 
 
 def select_stage(run: RunDir, stage: str, *, pool_stage: str, probe_stage_name: str, p2d_cfg: P2DConfig,

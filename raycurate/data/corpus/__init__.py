@@ -6,6 +6,7 @@ committed results and stage hashes are tied to (``scripts/corpus_digest.py`` pri
 
 * :mod:`.benchmark`: :func:`generate_corpus` and :func:`corpus_summary`;
 * :mod:`.heldout`: :func:`generate_heldout` and :func:`generate_validation_questions`;
+* :mod:`.trusted`: :func:`generate_trusted` (the trusted set every method aims at);
 * :mod:`.pretraining`: :func:`generate_pretraining_texts`;
 * :mod:`.jsonl`: :func:`write_jsonl` and :func:`bad_input_lines`;
 * :mod:`.domains` (domain mix and dispatch), :mod:`.math_tasks`, :mod:`.code_tasks`, :mod:`.instruction_tasks`
@@ -43,7 +44,7 @@ corruption                 domains             what changes
 
 Row schema (types are the same on every row, no nulls, so pyarrow infers one schema)::
 
-    {"id": "bench-000001", "prompt": str, "response": str, "domain": "math" | "code" | "instruction",
+    {"id": "bench-s0-000001", "prompt": str, "response": str, "domain": "math" | "code" | "instruction",
      "label": {"clean": bool, "corruption": str ("none" when clean),
                "answer": str (gold final answer for math, also on corrupted rows; "" otherwise),
                "source_id": str ("" unless near_duplicate),
@@ -63,6 +64,7 @@ from raycurate.data.corpus.heldout import generate_heldout, generate_validation_
 from raycurate.data.corpus.jsonl import BAD_LINE_KINDS, bad_input_lines, write_jsonl
 from raycurate.data.corpus.math_tasks import MAX_RESULT
 from raycurate.data.corpus.pretraining import generate_pretraining_texts
+from raycurate.data.corpus.trusted import generate_trusted
 
 __all__ = [
     "BAD_LINE_KINDS",
@@ -76,6 +78,7 @@ __all__ = [
     "generate_corpus",
     "generate_heldout",
     "generate_pretraining_texts",
+    "generate_trusted",
     "generate_validation_questions",
     "write_jsonl",
 ]

@@ -39,7 +39,8 @@ def generate_corpus(
             balanced kinds, as above.
 
     Returns:
-        ``n_rows`` row dicts with ids ``bench-000001`` ... in the schema of :mod:`raycurate.data.corpus`.
+        ``n_rows`` row dicts with ids ``bench-s<seed>-000001`` ... (:func:`corpus_ids`) in the schema of
+        :mod:`raycurate.data.corpus`.
     """
     if n_rows < 0:
         raise ValueError(f"n_rows must be >= 0, got {n_rows}.")
@@ -51,7 +52,7 @@ def generate_corpus(
     tasks = [unseen_clean_task(domain, rng, seen_prompts) for domain in domains]
     corrupted = sorted(rng.sample(range(n_rows), num_corrupted(n_rows, corrupt_fraction)))
     kinds = assign_corruptions(corrupted, domains, rng, corruption_mix)
-    ids = [f"bench-{i + 1:06d}" for i in range(n_rows)]
+    ids = corpus_ids(n_rows, seed)
     clean_by_domain: dict[str, list[int]] = {domain: [] for domain in DOMAINS}
     for i, domain in enumerate(domains):
         if i not in kinds:
@@ -65,6 +66,12 @@ def generate_corpus(
         else:
             rows.append(make_row(ids[i], task, kind, corrupt_response(task, kind, rng)))
     return rows
+
+
+def corpus_ids(n_rows: int, seed: int) -> list[str]:
+    """Row ids ``bench-s<seed>-000001`` ...: the seed is part of the id, so each corpus seed gets its own
+    (id, split_seed) -> split assignment instead of every seed sharing one."""
+    return [f"bench-s{seed}-{i + 1:06d}" for i in range(n_rows)]
 
 
 def corpus_summary(rows: list[dict]) -> dict[str, Any]:
