@@ -797,9 +797,11 @@ def test_a_step_is_the_same_with_or_without_gradient_accumulation(tiny_model, to
         assert metrics["supervised_tokens"] == sum(int((table.row(int(i))[1][1:] != 0).sum()) for i in step_rows)
     assert exported[4][0] == pytest.approx(exported[2][0], rel=1e-5)
     # Adam's first step moves each weight by ~lr * sign(grad): a gradient differing in direction moves weights by
-    # ~0.1; rounding moves the rare near-zero-gradient weight by ~1e-4
+    # ~0.1. Where a gradient is near zero (|g| ~ Adam's eps) the sign is decided by rounding, which differs between
+    # CPUs (one weight of 512 moved by 3e-3 on an AMD EPYC): such weights must stay rare, all others agree to 1e-3.
     for key, value in exported[4][1].items():
-        torch.testing.assert_close(value, exported[2][1][key], rtol=0, atol=1e-3)
+        apart = (value - exported[2][1][key]).abs() > 1e-3
+        assert apart.float().mean() <= 0.01, f"{key}: {int(apart.sum())} of {apart.numel()} weights differ by > 1e-3"
 
 
 def test_token_and_example_normalisation_differ_on_rows_of_different_lengths(tiny_model, token_table, tmp_path):
