@@ -391,3 +391,21 @@ def test_trusted_rows_are_clean_seeded_and_disjoint_from_the_excluded_prompts():
     assert Counter(r["domain"] for r in trusted) == {"math": 24, "code": 8, "instruction": 8}
     assert generate_trusted(40, seed=5, exclude_prompts=exclude) == trusted
     assert generate_trusted(40, seed=6, exclude_prompts=exclude) != trusted
+
+
+def test_corrupted_spans_mark_where_a_response_departs_from_the_clean_one():
+    from raycurate.data.corpus.rows import changed_spans
+
+    assert changed_spans("so 4 + 3 = 7.\n#### 7", "so 10 + 3 = 13.\n#### 13") == [[3, 5], [12, 14], [21, 23]]
+    assert changed_spans("a\nb\nc", "a\nb") == []  # truncation only deletes
+    rows = generate_corpus(200, seed=2, corrupt_fraction=0.5)
+    for row in rows:
+        spans, kind = row["label"]["corrupted_spans"], row["label"]["corruption"]
+        if kind in ("none", "near_duplicate", "truncated"):
+            assert spans == []
+        elif kind == "off_topic":
+            assert spans == [[0, len(row["response"])]]
+        else:
+            assert spans and all(0 <= a < b <= len(row["response"]) for a, b in spans)
+    unsafe = next(r for r in rows if r["label"]["corruption"] == "unsafe")
+    assert any("[UNSAFE]" in unsafe["response"][a:b] for a, b in unsafe["label"]["corrupted_spans"])

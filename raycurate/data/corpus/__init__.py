@@ -50,7 +50,9 @@ Row schema (types are the same on every row, no nulls, so pyarrow infers one sch
                "source_id": str ("" unless near_duplicate),
                "relevant_spans": list[list[int]] (char [start, end) spans of the fact / question / task
                                                   sentences in the prompt),
-               "distractor_spans": list[list[int]] (char spans of distractor sentences; [] for non-math)}}
+               "distractor_spans": list[list[int]] (char spans of distractor sentences; [] for non-math),
+               "corrupted_spans": list[list[int]] (char spans of the response that differ from the clean
+                                                   response; [] on clean rows and near duplicates)}}
 
 Everything is deterministic from ``seed``; the corpus, the held-out set and the pre-training texts come from
 separate random streams. Held-out problems use their own pool of person names, which the corpus and the

@@ -44,10 +44,29 @@ def render_prompt(sentences: list[tuple[str, bool]], prefix: str = "") -> tuple[
     return "".join(parts), relevant, distractor
 
 
+def changed_spans(clean: str, corrupted: str) -> list[list[int]]:
+    """Char ``[start, end)`` spans of ``corrupted`` that differ from ``clean`` (replaced or inserted text; text
+    that was only deleted, such as a truncated ending, leaves no span)."""
+    import difflib
+
+    matcher = difflib.SequenceMatcher(None, clean, corrupted, autojunk=False)
+    return [[j1, j2] for tag, _, _, j1, j2 in matcher.get_opcodes() if tag in ("replace", "insert") and j2 > j1]
+
+
 def make_row(row_id: str, task: Task, corruption: str, response: str, prefix: str = "", suffix: str = "",
              source_id: str = "") -> dict:
-    """The corpus row of ``task`` with ``response``; ``prefix`` / ``suffix`` edit the prompt (near duplicates)."""
+    """The corpus row of ``task`` with ``response``; ``prefix`` / ``suffix`` edit the prompt (near duplicates).
+
+    ``label.corrupted_spans`` marks where ``response`` departs from the task's clean response (empty for clean rows
+    and near duplicates, the whole response for off-topic ones): the tokens a token-level selector should drop.
+    """
     prompt, relevant, distractor = render_prompt(task.sentences, prefix)
+    if corruption in ("none", "near_duplicate"):
+        spans: list[list[int]] = []
+    elif corruption == "off_topic":  # an unrelated text: every character is wrong, whatever it shares by chance
+        spans = [[0, len(response)]]
+    else:
+        spans = changed_spans(task.response, response)
     return {
         "id": row_id,
         "prompt": prompt + suffix,
@@ -60,5 +79,6 @@ def make_row(row_id: str, task: Task, corruption: str, response: str, prefix: st
             "source_id": source_id,
             "relevant_spans": relevant,
             "distractor_spans": distractor,
+            "corrupted_spans": spans,
         },
     }
