@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Detection table of a finished run (embedded corpus, with labels): how well each signal the run computed
+separates clean rows from each corruption kind (row-level AUROC with bootstrap 95% intervals), and what share of the
+corrupted response tokens each token selector takes the loss off, against its share of the other tokens.
+
+Signals read when their stages are in the run: the trusted reference's row signals and the base model's row loss
+(``curate_reference_scores``), dedup (``curate_dedup`` / ``bilevel_dedup``), BDS sigma(omega) (``curate_bds`` /
+``bilevel_bds``), P2D's s_final (``p2d_select``), BRIDGE's token utilities per row (``bridge_score``: the minimum,
+and the sum of the negative ones), IFD (``p2d_ifd``), LESS and DSIR (``bilevel_{less,dsir}_select``).
+Token selectors: ``curate_masked`` (mask step), ``bridge_select`` (BRIDGE), ``baseline_random_masks``.
+
+Usage::
+
+    .venv/bin/python benchmarks/analyze_detection.py runs/det_s0 [runs/det_s1 ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from raycurate.algorithms.detection import dropped_counts  # noqa: E402
+from raycurate.algorithms.ranking import label_separation  # noqa: E402
+
+POOL_TABLES = ("curate_pool_rows", "bilevel_candidate_rows", "bridge_selection_rows", "tokenize")
+
+
+def read_table(folder: Path, columns: list[str] | None = None) -> list[dict]:
+    files = sorted(folder.glob("*.parquet")) if folder.is_dir() else [folder]
+    return [r for f in files for r in pq.read_table(f, columns=columns).to_pylist()]
+
+
+def pool_labels(run: Path) -> dict[str, dict]:
+    """id -> label of the run's pool (the first pool table present)."""
+    for name in POOL_TABLES:
+        folder = run / name / "tokens"
+        if folder.is_dir():
+            return {r["id"]: r["label"] for r in read_table(folder, ["id", "label"])}
+    raise SystemExit(f"{run}: no pool token table ({', '.join(POOL_TABLES)})")
+
+
+def row_signals(run: Path) -> dict[str, dict[str, float]]:
+    """signal name -> {id: score}, higher = cleaner."""
+    out: dict[str, dict[str, float]] = {}
+    ref = run / "curate_reference_scores" / "reference_scores.parquet"
+    if ref.exists():
+        table = pq.read_table(ref)
+        ids = table["id"].to_pylist()
+        for name in [c.removeprefix("signal_") for c in table.column_names if c.startswith("signal_")]:
+            values = -np.nan_to_num(table[f"signal_{name}"].to_numpy(), nan=np.inf)
+            out[f"reference {name}"] = dict(zip(ids, values.tolist()))
+        base = [-(float(np.mean(x)) if len(x) else np.inf) for x in table["base_losses"].to_pylist()]
+        out["base row loss"] = dict(zip(ids, base))
+    for stage in ("curate_dedup", "bilevel_dedup"):
+        path = run / stage / "duplicates.parquet"
+        if path.exists():
+            out["dedup"] = {r["id"]: 0.0 if r["duplicate"] else 1.0 for r in read_table(path, ["id", "duplicate"])}
+    for stage in ("curate_bds", "bilevel_bds"):
+        path = run / stage / "weights.parquet"
+        if path.exists():
+            rows = read_table(path, ["id", "step", "sigma"])
+            last = max(r["step"] for r in rows)
+            out["BDS sigma"] = {r["id"]: r["sigma"] for r in rows if r["step"] == last}
+            break
+    path = run / "p2d_select" / "selection.parquet"
+    if path.exists():
+        out["P2D s_final"] = {r["id"]: r["s_final"] for r in read_table(path, ["id", "s_final"])}
+    scores = run / "bridge_score" / "scores"
+    if scores.is_dir():
+        minimum, negative = {}, {}
+        for r in read_table(scores, ["id", "score_utility", "score_utility_scale"]):
+            u = np.asarray(r["score_utility"], dtype=np.float64) * (r["score_utility_scale"] or 1.0)
+            minimum[r["id"]] = float(u.min()) if u.size else 0.0
+            negative[r["id"]] = float(u[u < 0].sum())
+        out["BRIDGE min utility"], out["BRIDGE sum of negative utilities"] = minimum, negative
+    path = run / "p2d_ifd" / "ifd.parquet"
+    if path.exists():
+        out["IFD"] = {r["id"]: r["ifd"] for r in read_table(path, ["id", "ifd"])}
+    for method, column in (("less", "score"), ("dsir", "log_weight")):
+        path = run / f"bilevel_{method}_select" / "selection.parquet"
+        if path.exists():
+            out[method.upper()] = {r["id"]: r[column] for r in read_table(path, ["id", column])}
+    return out
+
+
+def separation(scores: dict[str, float], labels: dict[str, dict], seed: int = 0) -> dict:
+    ids = [i for i in scores if i in labels]
+    clean = np.array([bool(labels[i]["clean"]) for i in ids])
+    kinds = np.array([labels[i]["corruption"] if not labels[i]["clean"] else "none" for i in ids])
+    return label_separation(np.array([scores[i] for i in ids], dtype=np.float64), clean, kinds, seed)
+
+
+def token_selectors(run: Path) -> dict[str, dict[str, list]]:
+    """selector -> {id: (loss_mask, prompt_len, response_offsets)} of the pool rows it masked."""
+    out = {}
+    sources = {"mask step (trusted reference)": ("curate_masked/tokens", "loss_mask"),
+               "BRIDGE": ("bridge_select/selections", "sel_loss_mask"),
+               "random tokens": ("baseline_random_masks/selections", "random_loss_mask")}
+    for name, (rel, column) in sources.items():
+        folder = run / rel
+        if not folder.is_dir():
+            continue
+        rows = read_table(folder, ["id", column, "prompt_len", "response_offsets"])
+        out[name] = {r["id"]: (r[column], r["prompt_len"], r["response_offsets"]) for r in rows}
+    return out
+
+
+def token_table(selectors: dict, labels: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """selector -> kind -> dropped shares of corrupted and other tokens."""
+    out: dict[str, dict[str, dict]] = {}
+    for name, rows in selectors.items():
+        totals: dict[str, dict[str, int]] = {}
+        for row_id, (mask, prompt_len, offsets) in rows.items():
+            label = labels.get(row_id)
+            if label is None:
+                continue
+            kind = label["corruption"] if not label["clean"] else "none"
+            counts = dropped_counts(mask, prompt_len, offsets, label.get("corrupted_spans") or [])
+            for k in (kind, "all"):
+                acc = totals.setdefault(k, dict.fromkeys(counts, 0))
+                for key, value in counts.items():
+                    acc[key] += value
+        out[name] = {k: {"corrupted_tokens": t["corrupted"],
+                         "corrupted_dropped": t["corrupted_dropped"] / t["corrupted"] if t["corrupted"] else None,
+                         "other_dropped": t["other_dropped"] / t["other"] if t["other"] else None}
+                     for k, t in sorted(totals.items())}
+    return out
+
+
+def fmt(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def print_run(run: Path) -> dict:
+    labels = pool_labels(run)
+    signals = {name: separation(scores, labels) for name, scores in row_signals(run).items()}
+    kinds = sorted({k for s in signals.values() for k in s["auroc_by_kind"]})
+    print(f"\n### {run} — row-level AUROC, clean vs each kind ({len(labels)} pool rows)\n")
+    print("| signal | all | " + " | ".join(kinds) + " |")
+    print("|---|---|" + "---|" * len(kinds))
+    for name, sep in signals.items():
+        cells = [f"{sep['auroc']:.3f} [{sep['auroc_ci95'][0]:.2f}, {sep['auroc_ci95'][1]:.2f}]"]
+        cells += [fmt(sep["auroc_by_kind"].get(k, {}).get("auroc")) for k in kinds]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    tokens = token_table(token_selectors(run), labels)
+    if tokens:
+        token_kinds = sorted({k for t in tokens.values() for k in t if k not in ("all", "none")})
+        print("\nShare of corrupted response tokens whose loss is dropped / share of the other response tokens:\n")
+        print("| selector | all | " + " | ".join(token_kinds) + " | clean rows |")
+        print("|---|---|" + "---|" * len(token_kinds) + "---|")
+        for name, by_kind in tokens.items():
+            cells = [f"{fmt(v['corrupted_dropped'])} / {fmt(v['other_dropped'])}" if (v := by_kind.get(k)) else "–"
+                     for k in ["all", *token_kinds]]
+            clean = by_kind.get("none")
+            cells.append(f"– / {fmt(clean['other_dropped'])}" if clean else "–")
+            print(f"| {name} | " + " | ".join(cells) + " |")
+    return {"rows": signals, "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories")
+    parser.add_argument("--json", type=Path, help="also write the tables as JSON here")
+    args = parser.parse_args()
+    result = {str(run): print_run(run) for run in args.runs}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()
