@@ -242,3 +242,11 @@ def test_proving_ground_runs_the_configured_pipeline_per_seed(tmp_path, monkeypa
     assert summary["composition_budgets"]["3"]["arms"]["bds"] == {"rows": 80, "response_tokens": 1004,
                                                                   "clean_share": None}
     assert "composition vs bds (matched tokens)" in (tmp_path / "pg" / "report.html").read_text()
+
+
+def test_arms_must_be_steps_or_random():
+    from raycurate.config.curate import CurateConfig
+
+    assert CurateConfig(steps=["dedup", "reference"], arms=["random", "reference"]).config_problems() == []
+    assert CurateConfig(steps=["dedup", "reference"], arms=["bds"]).config_problems() == [
+        "curate.arms: ['bds'] are not steps of curate.steps ['dedup', 'reference'] nor random"]

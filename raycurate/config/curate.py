@@ -74,11 +74,18 @@ class CurateConfig:
     compare: bool = option(
         True, "Also train and evaluate, at the composition's response-token budget T, each single step alone over "
         "the full pool and seeded random rows, with paired bootstrap CIs of composition minus each.")
+    arms: list[str] | None = option(
+        None, "With compare: the matched-budget arms to train, among the steps and random (null: every step of a "
+        "composition of two or more, and random).")
     seed: int = option(0, "Seed of the tie-break among equal scores and of the random arm.")
 
     def config_problems(self) -> list[str]:
-        """The step list's problems (:func:`steps_problems`)."""
-        return steps_problems(self.steps)
+        """The step list's problems (:func:`steps_problems`) and arms that are neither a step nor random."""
+        problems = steps_problems(self.steps)
+        unknown = sorted(set(self.arms or []) - set(self.steps) - {"random"})
+        if unknown:
+            problems.append(f"curate.arms: {unknown} are not steps of curate.steps {self.steps} nor random")
+        return problems
 
     def methods(self) -> set[str]:
         """The method sections the steps use: bridge, bilevel (bds and dedup split on its splits), p2d."""

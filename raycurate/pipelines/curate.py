@@ -171,6 +171,8 @@ def matched_arms(run: RunDir, cfg: JobConfig, pool: list[str], steps: dict[str, 
         rankings[name] = step.scores if step.scores is not None else {
             i: 0.0 if i in (step.dropped or ()) else 1.0 for i in pool}  # dedup: undropped rows first, then random
     rankings["random"] = {i: 0.0 for i in pool}  # constant score: the seeded tie-break is the order
+    if curate.arms is not None:
+        rankings = {name: scores for name, scores in rankings.items() if name in curate.arms}
     arms: dict[str, tuple[str, dict]] = {}
     for name, scores in rankings.items():
         order = ranked_ids(pool, scores, curate.seed)
@@ -180,7 +182,7 @@ def matched_arms(run: RunDir, cfg: JobConfig, pool: list[str], steps: dict[str, 
             weights=arm_weights(cfg, steps, ids, uses_bds=name == "bds"),
             description=f"{name} alone: top-ranked rows until {budget} response tokens")
         arms[name] = (f"curate_{name}_rows", record["metrics"])
-    if "bridge" in curate.steps and len(curate.steps) > 1:
+    if "bridge" in curate.steps and len(curate.steps) > 1 and (curate.arms is None or "bridge" in curate.arms):
         arms["bridge"] = matched_bridge(run, cfg, pool, budget)
     return arms
 
@@ -231,22 +233,39 @@ def reference_models(run: RunDir, cfg: JobConfig) -> dict[str, dict]:
     return heldout
 
 
-def run_curate(cfg: JobConfig) -> dict:
-    """``pipeline: curate``: the steps, one SFT on the composed table, the matched-budget arms; returns the
-    final manifest (``results.composition``)."""
+@dataclasses.dataclass
+class Composition:
+    """What the steps decided over the pool (:func:`compose_pool`).
+
+    Attributes:
+        pool: The pool's ids (the ``selection`` split, stage ``curate_pool_rows``).
+        steps: The example-level steps by name, in order (each one's scores or dropped rows).
+        step_info: Per example-level step: its stage metrics plus ``kept_rows`` and ``kept_clean_share``.
+        kept: The ids the composition keeps (the last step's, else the whole pool).
+        table: The token table after the token-level step (``bridge_compact``, ``curate_masked`` or the pool).
+        composed: The record of stage ``curate_rows``: the kept rows of ``table`` (weighted in ``bds_mode:
+            weight``), what the composition trains on.
+    """
+
+    pool: list[str]
+    steps: dict[str, Step]
+    step_info: dict[str, dict]
+    kept: list[str]
+    table: str
+    composed: dict
+
+
+def compose_pool(run: RunDir, cfg: JobConfig) -> Composition:
+    """After :func:`raycurate.pipelines.common.prepare_data`: the pool, every example-level step scored once over
+    it, the steps applied in order, the token-level step, and ``curate_rows`` (the composed training table)."""
     from raycurate.algorithms.composition import compose
     from raycurate.config.curate import POOL_SPLIT, TOKEN_STEPS
     from raycurate.pipelines.bridge import split_equals
-    from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout, write_report
-    from raycurate.report.composition import COMPOSITION, score_arms
     from raycurate.stages.curate import subset_rows_stage
     from raycurate.stages.data_stages import filter_tokens_stage
-    from raycurate.stages.model_stages import evaluate_stage, train_stage
     from raycurate.stages.rows import clean_labels, precision, token_ids
 
     curate = cfg.curate
-    run = open_run(cfg)
-    records = prepare_data(run, cfg)
     filter_tokens_stage(run, "curate_pool_rows", tokens_stage="tokenize", description=f"split == {POOL_SPLIT}",
                         keep=split_equals(POOL_SPLIT), config={"split": POOL_SPLIT})
     pool = token_ids(run, "curate_pool_rows")
@@ -264,6 +283,21 @@ def run_curate(cfg: JobConfig) -> dict:
     composed = subset_rows_stage(run, "curate_rows", tokens_stage=table, ids=kept,
                                  weights=arm_weights(cfg, steps, kept, uses_bds="bds" in steps),
                                  description=f"composition {' -> '.join(curate.steps)}")
+    return Composition(pool=pool, steps=steps, step_info=step_info, kept=kept, table=table, composed=composed)
+
+
+def run_curate(cfg: JobConfig) -> dict:
+    """``pipeline: curate``: the steps, one SFT on the composed table, the matched-budget arms; returns the
+    final manifest (``results.composition``)."""
+    from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout, write_report
+    from raycurate.report.composition import COMPOSITION, score_arms
+    from raycurate.stages.model_stages import evaluate_stage, train_stage
+
+    curate = cfg.curate
+    run = open_run(cfg)
+    records = prepare_data(run, cfg)
+    composition = compose_pool(run, cfg)
+    pool, steps, composed = composition.pool, composition.steps, composition.composed
     budget = int(composed["metrics"]["response_tokens"])
     arms = {COMPOSITION: ("curate_rows", composed["metrics"])}
     if curate.compare:
@@ -287,7 +321,7 @@ def run_curate(cfg: JobConfig) -> dict:
         record_heldout(run, heldout, cfg.eval.split)
     scored = score_arms(run.root, run.load_manifest(), described)
     block = {"steps": list(curate.steps), "keep_fraction": curate.keep_fraction, "bds_mode": curate.bds_mode,
-             "seed": curate.seed, "pool_rows": len(pool), "budget_tokens": budget, "step_info": step_info,
+             "seed": curate.seed, "pool_rows": len(pool), "budget_tokens": budget, "step_info": composition.step_info,
              "arms": described, **scored}
     results = run.load_manifest().get("results") or {}
     run.update_manifest(results={**results, "composition": block})
