@@ -135,3 +135,48 @@ def normalised_weights(weights: Mapping[str, float], ids: Sequence[str]) -> dict
     if values.size == 0 or not (values > 0).all():
         raise ValueError("weights to normalise must be positive and non-empty")
     return {i: float(v) for i, v in zip(ids, values / values.mean())}
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What :func:`compose` decided for each row, step by step (for telling a user why a row was dropped).
+
+    Attributes:
+        kept: The rows kept after the last step, sorted (= ``compose(...)[-1]``; the whole pool without steps).
+        dropped: ``id -> name of the step that dropped it`` (each row is dropped at most once).
+        ranks: ``step -> {id: rank}`` for a ranking step: the rank (1 = best) of each row it received among them.
+        received: ``step -> rows it received``.
+        passed: ``step -> rows it kept`` (passed on to the next step).
+    """
+
+    kept: list[str]
+    dropped: dict[str, str]
+    ranks: dict[str, dict[str, int]]
+    received: dict[str, int]
+    passed: dict[str, int]
+
+
+def ledger(pool: Sequence[str], steps: Sequence[Step], keep_fraction: float, seed: int) -> Ledger:
+    """:func:`compose`'s decisions row by row: the step that dropped each row and, for ranking steps, the rank of
+    every row the step received (the same seeded tie-break, so ``ledger(...).kept == compose(...)[-1]``)."""
+    kept = sorted(pool)
+    dropped: dict[str, str] = {}
+    ranks: dict[str, dict[str, int]] = {}
+    received: dict[str, int] = {}
+    passed: dict[str, int] = {}
+    for step in steps:
+        received[step.name] = len(kept)
+        if step.dropped is not None:
+            dropped.update((i, step.name) for i in kept if i in step.dropped)
+            kept = [i for i in kept if i not in step.dropped]
+        else:
+            assert step.scores is not None
+            order = ranked_ids(kept, step.scores, seed)
+            ranks[step.name] = {i: rank for rank, i in enumerate(order, start=1)}
+            count = keep_count(keep_fraction, len(order))
+            dropped.update((i, step.name) for i in order[count:])
+            kept = sorted(order[:count])
+        if not kept:
+            raise ValueError(f"step {step.name!r} kept no rows; raise curate.keep_fraction or check the pool")
+        passed[step.name] = len(kept)
+    return Ledger(kept=kept, dropped=dropped, ranks=ranks, received=received, passed=passed)

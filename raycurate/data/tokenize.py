@@ -269,3 +269,30 @@ def token_table(rows: list[dict[str, Any]]) -> Any:
     names = list(TOKEN_COLUMNS) + [k for k in (rows[0] if rows else {}) if k not in types]
     arrays = [pa.array([r.get(n) for r in rows], type=types.get(n)) for n in names]
     return pa.Table.from_arrays(arrays, names=names)
+
+
+def kept_spans(offsets: list[int], marks: list[int]) -> list[list[int]]:
+    """Character spans of the marked tokens of one text, adjacent tokens merged.
+
+    Args:
+        offsets: (2 * n,) flattened ``start, end`` per token into the text (``-1, -1`` for template markup and
+            special tokens, which have no characters and are skipped), e.g. a row's ``response_offsets``.
+        marks: (n,) 1 for a kept token (e.g. ``loss_mask[prompt_len:]``), 0 otherwise.
+
+    Returns:
+        ``[[start, end], ...]`` in text order; a span ends where a token that is not kept (or a gap) begins.
+    """
+    if len(offsets) != 2 * len(marks):
+        raise ValueError(f"{len(offsets)} offsets for {len(marks)} tokens; expected two per token")
+    spans: list[list[int]] = []
+    for k, mark in enumerate(marks):
+        start, end = int(offsets[2 * k]), int(offsets[2 * k + 1])
+        if start < 0:
+            continue
+        if not mark:
+            spans.append([])  # a break: the next kept token starts a new span
+        elif spans and spans[-1] and spans[-1][1] >= start:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    return [s for s in spans if s]

@@ -105,21 +105,31 @@ def open_run(cfg: JobConfig) -> RunDir:
     return run
 
 
-def prepare_data(run: RunDir, cfg: JobConfig) -> dict:
+def prepare_data(run: RunDir, cfg: JobConfig, *, heldout_stage: str | None = None) -> dict:
     """corpus (embedded default only) -> ingest -> base_model -> tokenize; record row accounting.
+
+    Args:
+        heldout_stage: With your own data (``data.input``): a stage holding your held-out questions
+            (:func:`raycurate.stages.tables.heldout_stage`); trusted and input rows with one of their prompts (or
+            ids) are rejected as ``overlaps_evaluation``, so nothing trains on the questions results report.
 
     Returns:
         Stage records by name.
     """
     from raycurate.data.corpus import generate_pretraining_texts
+    from raycurate.stages.base import output_path
     from raycurate.stages.data_stages import TRUSTED_TOKENS, corpus_stage, ingest_stage, tokenize_stage, trusted_stage
     from raycurate.stages.model_stages import base_model_stage
 
     records: dict[str, dict] = {}
     upstream: list[str] = []
     trusted_inputs, evaluation = cfg.data.trusted_paths(), []
+    pool_evaluation: list[str] = []  # the questions the pool itself may not repeat (your own held-out set)
     if cfg.data.input:
         inputs = cfg.data.input_paths()
+        if heldout_stage is not None:
+            evaluation = pool_evaluation = [str(output_path(run, heldout_stage, "heldout"))]
+            upstream = [heldout_stage]
     else:
         records["corpus"] = corpus_stage(
             run, rows=cfg.data.corpus_rows, seed=cfg.data.corpus_seed, corrupt_fraction=cfg.data.corrupt_fraction,
@@ -140,7 +150,7 @@ def prepare_data(run: RunDir, cfg: JobConfig) -> dict:
         log.info(NO_TRUSTED_SET)
     # ingest first: data that is all rejected fails before a base model is pre-trained
     records["ingest"] = ingest_stage(run, inputs, cfg.data, upstream=upstream, progress=cfg.run.progress,
-                                     trusted="trusted" if trusted_inputs else None)
+                                     trusted="trusted" if trusted_inputs else None, evaluation_files=pool_evaluation)
     model = cfg.model
     records["base_model"] = base_model_stage(
         run, model,

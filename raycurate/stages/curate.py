@@ -84,3 +84,39 @@ def subset_rows_stage(run: RunDir, stage: str, *, tokens_stage: str, ids: list[s
 
     config = {"ids": wanted, "weights": None if weights is None else [round(float(weights[i]), 6) for i in wanted]}
     return run_stage(run, stage, body, config=config, upstream=[tokens_stage], force=force)
+
+
+#: The token-contract columns a training table needs (and what :func:`union_rows_stage` keeps of each table).
+TRAINING_COLUMNS = ("id", "input_ids", "prompt_len", "loss_mask", "weight")
+
+
+def union_rows_stage(run: RunDir, stage: str, *, tokens_stages: list[str], description: str = "",
+                     force: bool = False) -> dict:
+    """One training table holding every row of ``tokens_stages`` (their :data:`TRAINING_COLUMNS` only), e.g. the
+    composed rows and the rows a step set aside uncurated.  Metrics: ``rows`` and ``response_tokens``.
+
+    Raises:
+        ValueError: An id appears in two of the tables.
+    """
+    import pyarrow.parquet as pq
+
+    def body(out: Path) -> StageOutput:
+        (out / "tokens").mkdir()
+        seen: set[str] = set()
+        response = index = 0
+        for source in tokens_stages:
+            for path in sorted(output_path(run, source, "tokens").glob("*.parquet")):
+                table = pq.read_table(path, columns=list(TRAINING_COLUMNS))
+                ids = table["id"].to_pylist()
+                repeated = seen.intersection(ids)
+                if repeated:
+                    raise ValueError(f"{stage}: ids {sorted(repeated)[:3]} are in more than one of {tokens_stages}")
+                seen.update(ids)
+                response += int(sum(sum(m) for m in table["loss_mask"].to_pylist()))
+                pq.write_table(table, out / "tokens" / f"part-{index:05d}.parquet")
+                index += 1
+        return StageOutput(outputs={"tokens": "tokens"},
+                           metrics={"rows": len(seen), "response_tokens": response, "description": description})
+
+    return run_stage(run, stage, body, config={"tables": list(tokens_stages)}, upstream=list(tokens_stages),
+                     force=force)

@@ -156,20 +156,27 @@ def _publish_rejected(out: Path) -> None:
 
 
 def ingest_stage(run: RunDir, inputs: list[str], data_cfg: DataConfig, *, upstream: list[str], progress: bool,
-                 trusted: str | None = None, force: bool = False) -> dict:
+                 trusted: str | None = None, evaluation_files: list[str] | None = None, force: bool = False) -> dict:
     """Validate input files into accepted parquet shards plus ``rejected.jsonl``; record row accounting.
 
     Args:
         trusted: The :func:`trusted_stage` whose rows the pool may not repeat (same prompt or id), or None.
+        evaluation_files: jsonl files of held-out questions the pool may not repeat (same prompt or id: rejected
+            as ``overlaps_evaluation``); their stages belong in ``upstream``.
     """
     from raycurate.data.ingest import ingest
+    from raycurate.data.schema import OVERLAPS_EVALUATION, Exclusions
 
     def body(out: Path) -> StageOutput:
+        exclude = [trusted_exclusions(run, trusted)] if trusted else []
+        questions = [(row["id"], row["prompt"]) for path in evaluation_files or [] for row in _jsonl_rows(Path(path))]
+        if questions:
+            exclude.append(Exclusions(OVERLAPS_EVALUATION, "held-out question", questions))
         result = ingest(
             inputs, str(out / "accepted"), strict=data_cfg.strict, split_seed=data_cfg.split_seed,
             split_ratios=data_cfg.split_ratios, shard_rows=data_cfg.shard_rows, progress=progress,
             validation_paths=[data_cfg.validation_input] if data_cfg.validation_input else None,
-            exclude=[trusted_exclusions(run, trusted)] if trusted else None,
+            exclude=exclude or None,
         )
         info = result.to_dict()
         _publish_rejected(out)
@@ -188,6 +195,8 @@ def ingest_stage(run: RunDir, inputs: list[str], data_cfg: DataConfig, *, upstre
               "unread": [item["path"] for plan in found for item in plan.unread],
               "validation_inputs": [_file_fingerprint(p, run) for p in validation], "strict": data_cfg.strict,
               "split_seed": data_cfg.split_seed, "split_ratios": data_cfg.split_ratios}
+    if evaluation_files:  # keyed only when given, so runs without a held-out set keep their hashes
+        config["evaluation"] = [_file_fingerprint(p, run) for p in evaluation_files]
     if trusted:
         upstream = [*upstream, trusted]
     record = run_stage(run, "ingest", body, config=config, upstream=upstream, force=force)
