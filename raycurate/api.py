@@ -125,7 +125,9 @@ class Result:
             raise UserError(f"{self.stage} produced a model, not a table; use .model_dir")
         if path.suffix == ".json":
             return pa.Table.from_pylist(json.loads(path.read_text())["heads"])
-        return _read_parquet(path)
+        from raycurate.stages.tables import read_table
+
+        return read_table(path)
 
     @property
     def dataset(self) -> Any:
@@ -139,7 +141,9 @@ class Result:
         """The token table :func:`train` fits on, as a ``pyarrow.Table`` (for BRIDGE: the compacted rows)."""
         if self.tokens_stage is None:
             raise UserError(f"{self.stage} has no token table to train on")
-        return _read_parquet(self._output(self.tokens_stage, "tokens"))
+        from raycurate.stages.tables import read_table
+
+        return read_table(self._output(self.tokens_stage, "tokens"))
 
     @property
     def model_dir(self) -> Path | None:
@@ -159,17 +163,6 @@ class Result:
                    if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(numbers.items())[:6])
         return f"Result(stage={self.stage!r}, output={self.output!r}, workdir={self.workdir!r}, {shown})"
-
-
-def _read_parquet(path: Path) -> Any:
-    """A parquet file, or a folder of parquet parts in name order, as one ``pyarrow.Table``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if not path.is_dir():
-        return pq.read_table(path)
-    parts = [pq.read_table(p) for p in sorted(path.glob("*.parquet"))]
-    return pa.concat_tables(parts, promote_options="default") if parts else pa.table({})
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -554,36 +547,52 @@ def bds_weights(data: Any, *, model: str | None = None, online: bool = False, wo
 
 def curate(data: Any, *, steps: list[str] | None = None, keep_fraction: float | None = None,
            bds_mode: str | None = None, compare: bool | None = None, model: str | None = None,
-           workdir: str | os.PathLike | None = None, config: dict | None = None, **sections: Any) -> Result:
+           trusted: Any = None, out: str | os.PathLike | None = None, train: bool = False, heldout: Any = None,
+           force: bool = False, workdir: str | os.PathLike | None = None, config: dict | None = None,
+           **sections: Any) -> Result:
     """Composed curation, ``pipeline: curate``: ``steps`` in order over the ``selection`` split (dedup drops
-    near-duplicates, bds / p2d keep the top ``keep_fraction`` of the rows they receive, bridge selects tokens on
-    what is left), then one SFT on the kept rows; with ``compare`` also each step alone and random rows at the
-    same response-token budget (:mod:`raycurate.pipelines.curate`, ``docs/design.md``).
+    near-duplicates, reference / bds / p2d keep the top ``keep_fraction`` of the rows they receive, mask / bridge
+    select tokens on the rest), one SFT on the kept rows; with ``compare`` also each step alone and random rows at
+    the same response-token budget (:mod:`raycurate.pipelines.curate`).  With ``out``: ``raycurate curate``
+    (:mod:`raycurate.pipelines.user_curate`): every row of your files curated toward ``trusted``, the curated data
+    written to ``out`` (the run in ``out/run``), no SFT unless ``train``.
 
     Args:
-        data: Rows (anything :func:`ingest` takes) or an :func:`ingest` result; the splits are ``selection`` (the
-            pool), ``validation`` (BDS's trusted rows, dedup's reference) and ``warmup`` (BRIDGE's warmup SFT).
-        steps: Ordered steps among dedup, bds, p2d, bridge (last) (``curate.steps``; default ``[bds, bridge]``).
-        keep_fraction: Share of its rows each ranking step (bds, p2d) keeps (``curate.keep_fraction``).
+        data: Rows (anything :func:`ingest` takes) or an :func:`ingest` result (with ``out``: file paths); the
+            splits are ``selection`` (the pool), ``validation`` and ``warmup`` (BRIDGE's warmup SFT).
+        steps: Ordered steps (``curate.steps``): dedup, reference, bds, p2d, then mask or bridge.
+        keep_fraction: Share of its rows each ranking step keeps (``curate.keep_fraction``).
         bds_mode: ``select`` (train the kept rows unweighted) or ``weight`` (with their BDS weights).
         compare: Also train the matched-budget single-step and random arms (``curate.compare``, default true).
         model: Base model (raw rows only; a result keeps its own).
+        trusted, out, train, heldout, force: ``raycurate curate``'s ``--trusted``, ``--out``, ``--train``,
+            ``--heldout`` and ``--force`` (paths, booleans).
         workdir: The workspace; default that of ``data`` when it is a result, else a fresh temporary folder.
         config: Further keys, dotted or as section mappings.
         **sections: Section mappings: ``bridge``, ``bilevel``, ``p2d``, ``train`` (every SFT), ``run``, ...
 
     Returns:
-        :class:`Result` of stage ``train_curate`` (output ``model``): ``.model_dir`` is the SFT on the composed
-        rows (stage ``curate_rows`` of the workspace); pass it to :func:`evaluate`.  ``metrics`` holds the
-        training metrics and ``composition``: ``steps``, ``pool_rows``, ``budget_tokens`` (response tokens of
-        the composed rows), ``step_info`` (per step: rows kept, their clean share where rows carry labels) and
-        ``arms`` (rows and tokens of each trained arm).
+        :class:`Result` of stage ``train_curate`` (output ``model``, the SFT on stage ``curate_rows``); ``metrics``
+        holds the training metrics and ``composition`` (``steps``, ``pool_rows``, ``budget_tokens``, ``step_info``,
+        ``arms``).  With ``out``: of ``train_curate`` with ``train``, else ``curate_rows``, and
+        ``metrics["summary"]`` is ``out/summary.json``.
     """
-    from raycurate.pipelines.curate import run_curate
-
-    check_keyword_types("curate", compare=(compare, bool))
+    check_keyword_types("curate", compare=(compare, bool), train=(train, bool), force=(force, bool))
     keys = {"curate.steps": steps, "curate.keep_fraction": keep_fraction, "curate.bds_mode": bds_mode,
             "curate.compare": compare}
+    if out is not None:
+        from raycurate.pipelines.user_curate import curate_folder
+        from raycurate.rundir import RunDir
+
+        done = curate_folder(data, trusted=trusted, out=out, model=model, train=train, heldout=heldout, force=force,
+                             layers=[config or {}, sections], keys=keys, source="raycurate.curate()")
+        stage = "train_curate" if train or heldout is not None else "curate_rows"
+        result = _result(_Prepared(RunDir(done.root), done.cfg, "curate_rows"), stage,
+                         "model" if stage == "train_curate" else "tokens", tokens_stage="curate_rows", method="curate")
+        result.metrics["summary"] = done.summary
+        return result
+    from raycurate.pipelines.curate import run_curate
+
     with _prepared("curate", "curate", data, model=model, workdir=workdir, config=config, sections=sections,
                    keys=keys, prepare=False) as prep:
         _require_tokenize("curate", prep)

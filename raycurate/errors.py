@@ -14,3 +14,7 @@ class UserError(Exception):
 
 class InputError(UserError, ValueError):
     """An input path or file that cannot be read as a corpus (missing, unsupported, corrupt, empty)."""
+
+
+class OutputError(UserError):
+    """An output folder that cannot be used: another run's outputs, not a folder, not writable, or out of space."""

@@ -9,7 +9,7 @@ import pytest
 
 from raycurate.cli.main import build_parser, main
 
-SUBCOMMANDS = ("demo", "run", "ingest", "train", "report", "inspect")
+SUBCOMMANDS = ("demo", "run", "ingest", "train", "curate", "report", "inspect")
 
 
 @pytest.mark.parametrize("command", ("", *SUBCOMMANDS))

@@ -6,6 +6,7 @@ Examples::
     raycurate run jobs/demo.yaml train.lr=5e-4       # any job with key=value overrides
     raycurate ingest --input data.jsonl --out runs/mydata
     raycurate train --data data.jsonl --model /ckpt/llama --out runs/sft
+    raycurate curate --data rows.jsonl --trusted checked.jsonl --model /ckpt/llama --out curated/
     raycurate tune tune/bridge_budgets.yaml          # Ray Tune sweep; trials share the stage cache
     raycurate eval runs/demo --model-stage train_bridge --limit 50
     raycurate inspect runs/demo
@@ -205,6 +206,53 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_curate(args: argparse.Namespace) -> int:
+    from raycurate.pipelines.user_curate import curate_folder, parse_keep, parse_steps
+
+    missing = [flag for flag, value in (("--data", args.data), ("--trusted", args.trusted), ("--model", args.model),
+                                         ("--out", args.out)) if not value]
+    if missing:
+        raise UserError(f"curate: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required, e.g. "
+                        "raycurate curate --data rows.jsonl --trusted checked.jsonl --model /ckpt --out curated/")
+    keys = {"curate.keep_fraction": parse_keep(args.keep), "curate.steps": parse_steps(args.steps)}
+    done = curate_folder(args.data, trusted=args.trusted, out=args.out, model=args.model, train=args.train,
+                         heldout=args.heldout, force=args.force, overrides=args.overrides, keys=keys,
+                         source="raycurate curate", command_line=True)
+    rows, out = done.summary["rows"], Path(args.out)
+
+    def by(counts: dict) -> str:
+        return f" ({', '.join(f'{k} {v}' for k, v in counts.items())})" if counts else ""
+
+    print(f"input rows: {rows['input']}")
+    uncurated = sum(rows["kept_uncurated"].values())
+    print(f"kept:       {rows['kept']}{f' ({uncurated} uncurated: BRIDGE warmup)' if uncurated else ''} "
+          f"-> {out / 'curated.jsonl'}")
+    print(f"dropped:    {rows['dropped']}{by(rows['dropped_by_step'])} -> {out / 'dropped.jsonl'}")
+    print(f"rejected:   {rows['rejected']}{by(rows['rejected_by_reason'])} -> {out / 'rejected.jsonl'}")
+    if "model" in done.summary["files"]:
+        print(f"model:      {out / 'model'}")
+    print(f"report:     {out / 'report.html'}")
+    return 0
+
+
+CURATE_HELP = """Curate your own SFT data toward a small trusted set and write the result to --out:
+curated.jsonl (the kept records, their fields untouched, plus weight and the kept response spans), dropped.jsonl
+(every dropped row with its step, reason, score and rank), rejected.jsonl (rows that could not be used, with the
+reason), scores.parquet (every row's score from every step), summary.json and report.html. Every input row is in
+exactly one of curated.jsonl, dropped.jsonl and rejected.jsonl. The run itself lives in OUT/run: running the same
+command again resumes it; another command's outputs in --out are only replaced with --force."""
+
+CURATE_EXAMPLE = """example:
+  raycurate curate --data rows.jsonl --trusted checked.jsonl --model /ckpt/llama --out curated/ \\
+      --steps dedup,reference,mask --keep 0.7 --train --heldout questions.jsonl train.lr=1e-4
+
+steps (in order; at most one token-level step, last): dedup (drop near-duplicates), reference (keep the rows a
+LoRA reference trained on the trusted rows finds least surprising), bds (keep the top rows by BDS weight), p2d
+(keep the top rows by P2D's probing score), mask (drop the loss of response tokens the reference finds most
+surprising), bridge (BRIDGE token selection). Defaults: curate.steps and curate.keep_fraction (raycurate run
+--help-config lists every key)."""
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from raycurate import storage
     from raycurate.report.html import write_run_report
@@ -311,6 +359,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", help="optional job YAML supplying defaults")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-5 train.num_workers=4")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("curate", help="curate your own data toward a trusted set: curated.jsonl, dropped.jsonl, "
+                       "scores, report", description=CURATE_HELP, epilog=CURATE_EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", action="append", help="your records: jsonl / parquet (also .gz/.bz2/.xz/.zst), folders, "
+                   "globs, HF dataset folders (repeatable); each row has prompt and response (or messages)")
+    p.add_argument("--trusted", action="append", help="a small hand-checked file of rows like --data's: the target "
+                   "the steps aim at (repeatable); data rows with one of its prompts are rejected as overlaps_trusted")
+    p.add_argument("--model", help="base model: a local HF checkpoint folder, a fetched name (smollm2-135m) or "
+                   "embedded (the tiny committed model, for trying it out)")
+    p.add_argument("--out", help="folder for the outputs (new, empty, or this command's earlier outputs)")
+    p.add_argument("--keep", help="share of its rows each ranking step keeps, in (0, 1] (curate.keep_fraction)")
+    p.add_argument("--steps", help="comma-separated steps, e.g. dedup,reference,mask (curate.steps)")
+    p.add_argument("--train", action="store_true", help="also fine-tune the base model on curated.jsonl (train.*); "
+                   "the model goes to OUT/model")
+    p.add_argument("--heldout", help="your questions (jsonl / parquet with prompt, response): evaluate the base "
+                   "model, a fine-tune on all rows and one on the curated rows (implies --train)")
+    p.add_argument("--force", action="store_true", help="replace another command's outputs in --out")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.lr=1e-4 "
+                   "train.num_workers=4")
+    p.set_defaults(fn=cmd_curate)
 
     p = sub.add_parser("report", help="(re)write RUN_DIR/report.html")
     p.add_argument("run_dir")

@@ -1,6 +1,7 @@
 """A self-contained HTML report of a run (inline CSS and SVG; no scripts, no network).
 
-Sections: run summary, "Did curation help?" (:mod:`raycurate.report.curation`), the composition of pipeline
+Sections: "Your curated data" (``raycurate curate``, :mod:`raycurate.report.user_curate`), run summary, "Did
+curation help?" (:mod:`raycurate.report.curation`), the composition of pipeline
 curate (:mod:`raycurate.report.composition`), held-out results, lm-eval, BRIDGE token views, P2D heads, bilevel
 weights, Tune results, row accounting, stage timings, corpus composition (:data:`SECTIONS`; the pipeline sections
 live in :mod:`raycurate.report.sections`).
@@ -17,6 +18,7 @@ from raycurate.report.charts import HIGHER_IS_BETTER, LOWER_IS_BETTER, bar_chart
 from raycurate.report.composition import section_composition
 from raycurate.report.curation import section_curation
 from raycurate.report.sections import section_bilevel, section_lm_eval, section_p2d, section_tune
+from raycurate.report.user_curate import section_user_curate
 from raycurate.rundir import atomic_write_text, parse_manifest
 
 CSS = """
@@ -204,14 +206,17 @@ SECTIONS: list[Callable[[Path, dict], str]] = [
 ]
 
 
-def render_report(run_dir: str | Path) -> str:
-    """HTML text of the report for ``run_dir``."""
+def render_report(run_dir: str | Path, report_dir: str | Path | None = None) -> str:
+    """HTML text of the report for ``run_dir``; its links to files outside the run are relative to ``report_dir``
+    (where the report will be written; default the run directory)."""
     run_dir = Path(run_dir)
     manifest_path = run_dir / "manifest.json"
     if not manifest_path.exists():
         raise FileNotFoundError(f"{manifest_path} not found; is {run_dir} a raycurate run directory?")
     manifest = parse_manifest(manifest_path.read_bytes(), str(manifest_path))
-    body = "".join(section(run_dir, manifest) for section in SECTIONS)
+    # `raycurate curate`'s own section comes first: what a user ran it for
+    body = section_user_curate(run_dir, manifest, Path(report_dir or run_dir))
+    body += "".join(section(run_dir, manifest) for section in SECTIONS)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>raycurate: {_esc(run_dir.name)}"
             f"</title><style>{CSS}</style></head><body><h1>raycurate run report</h1>"

@@ -201,6 +201,17 @@ def source_rows(source: Any) -> list[dict]:
                      "of dicts, a pyarrow.Table or a ray.data.Dataset")
 
 
+def read_table(path: Path) -> Any:
+    """A parquet file, or a folder of parquet parts in name order, as one ``pyarrow.Table``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not path.is_dir():
+        return pq.read_table(path)
+    parts = [pq.read_table(p) for p in sorted(path.glob("*.parquet"))]
+    return pa.concat_tables(parts, promote_options="default") if parts else pa.table({})
+
+
 def read_dataset(source: Any) -> Any:
     """A stage's parquet output (a file or a folder of parts; or a ``pyarrow.Table`` already read) as a
     ``ray.data.Dataset``, in file order."""
