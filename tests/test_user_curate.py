@@ -180,6 +180,36 @@ def test_out_may_be_new_empty_or_this_commands_outputs(tmp_path):
         check_out(tmp_path / "file", request, force=False)
 
 
+def test_original_records_come_back_exactly_as_written(tmp_path):
+    """curated.jsonl's records are re-read from their file and line: an int id, a field named split, a nested dict,
+    an unnormalised domain, a messages-only row and key order come back as written (ingest's parquet has none of
+    them as written); a row that is another one now is an error."""
+    from raycurate.data.validate import check_record
+    from raycurate.errors import InputError
+    from raycurate.stages.curated_outputs import original_records
+
+    data, _ = write_inputs(tmp_path)
+    wanted, expected, seen = {}, {}, set()
+    for line_no, line in enumerate(DATA_LINES, start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        verdict = check_record(record, seen_ids=seen)
+        if verdict.record is not None:
+            wanted[(str(data), line_no)] = verdict.record["id"]
+            expected[verdict.record["id"]] = record
+    got = list(original_records([str(data)], wanted))
+    assert [row_id for row_id, _ in got] == list(expected)  # file order
+    for row_id, record in got:
+        assert record == expected[row_id] and list(record) == list(expected[row_id])
+    by_id = dict(got)
+    assert by_id["77"]["id"] == 77 and by_id["77"]["split"] == "train" and by_id["77"]["meta"] == {"a": 1, "b": [1, 2]}
+    assert by_id["r33"]["domain"] == "MATH " and "id" not in next(r for r in by_id.values() if "messages" in r)
+    with pytest.raises(InputError, match="the file changed during the run"):
+        list(original_records([str(data)], {(str(data), 2): "r01"}))
+
+
 def test_an_input_field_named_like_an_added_one_keeps_its_value(tmp_path):
     import pyarrow as pa
 
