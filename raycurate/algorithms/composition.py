@@ -158,7 +158,8 @@ class Ledger:
 
 def ledger(pool: Sequence[str], steps: Sequence[Step], keep_fraction: float, seed: int) -> Ledger:
     """:func:`compose`'s decisions row by row: the step that dropped each row and, for ranking steps, the rank of
-    every row the step received (the same seeded tie-break, so ``ledger(...).kept == compose(...)[-1]``)."""
+    every row the step received (the same seeded tie-break).  Each step's survivors are :func:`apply_step`'s, as in
+    :func:`compose`, so ``ledger(...).kept == compose(...)[-1]``."""
     kept = sorted(pool)
     dropped: dict[str, str] = {}
     ranks: dict[str, dict[str, int]] = {}
@@ -166,16 +167,12 @@ def ledger(pool: Sequence[str], steps: Sequence[Step], keep_fraction: float, see
     passed: dict[str, int] = {}
     for step in steps:
         received[step.name] = len(kept)
-        if step.dropped is not None:
-            dropped.update((i, step.name) for i in kept if i in step.dropped)
-            kept = [i for i in kept if i not in step.dropped]
-        else:
-            assert step.scores is not None
-            order = ranked_ids(kept, step.scores, seed)
-            ranks[step.name] = {i: rank for rank, i in enumerate(order, start=1)}
-            count = keep_count(keep_fraction, len(order))
-            dropped.update((i, step.name) for i in order[count:])
-            kept = sorted(order[:count])
+        if step.scores is not None:
+            ranks[step.name] = {i: rank for rank, i in enumerate(ranked_ids(kept, step.scores, seed), start=1)}
+        survivors = apply_step(kept, step, keep_fraction, seed)
+        chosen = set(survivors)
+        dropped.update((i, step.name) for i in kept if i not in chosen)
+        kept = survivors
         if not kept:
             raise ValueError(f"step {step.name!r} kept no rows; raise curate.keep_fraction or check the pool")
         passed[step.name] = len(kept)
