@@ -250,3 +250,12 @@ def test_arms_must_be_steps_or_random():
     assert CurateConfig(steps=["dedup", "reference"], arms=["random", "reference"]).config_problems() == []
     assert CurateConfig(steps=["dedup", "reference"], arms=["bds"]).config_problems() == [
         "curate.arms: ['bds'] are not steps of curate.steps ['dedup', 'reference'] nor random"]
+
+
+def test_a_step_with_a_minimum_score_keeps_the_rows_scoring_at_least_it():
+    from raycurate.algorithms.composition import Step, apply_step
+
+    step = Step("reference", scores={"a": -0.2, "b": -0.99, "c": -0.5}, min_score=-0.5)
+    assert apply_step(["a", "b", "c"], step, keep_fraction=0.1, seed=0) == ["a", "c"]  # keep_fraction unused
+    with pytest.raises(ValueError, match="min_score needs scores"):
+        Step("dedup", dropped=frozenset(), min_score=0.0)

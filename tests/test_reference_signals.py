@@ -32,3 +32,23 @@ def test_high_loss_mask_keeps_the_end_of_turn_token():
     assert high_loss_mask(np.array([6.0]), 6.0).tolist() == [True]  # "above" the threshold, not at it
     with pytest.raises(ValueError, match="positive"):
         high_loss_mask(losses, 0.0)
+
+
+def test_calibrated_percentiles_by_hand():
+    from raycurate.algorithms.reference_signals import calibrated_percentiles
+
+    calibration = np.array([1.0, 2.0, 3.0, 4.0])
+    assert calibrated_percentiles(np.array([0.5, 2.0, 2.5, 9.0, np.nan]), calibration).tolist() == [
+        0.0, 0.5, 0.5, 1.0, 1.0]
+    with pytest.raises(ValueError, match="at least one"):
+        calibrated_percentiles(np.array([1.0]), np.array([np.nan]))
+
+
+def test_badness_is_the_worst_standing_over_the_signals():
+    from raycurate.algorithms.reference_signals import badness, pool_percentiles
+
+    signals = {"max": np.array([1.0, 5.0, 2.0]), "excess_max": np.array([0.0, 0.1, 3.0])}
+    calibration = {"max": np.array([1.0, 2.0]), "excess_max": np.array([0.5, 1.0])}
+    assert badness(signals, calibration).tolist() == [0.5, 1.0, 1.0]
+    assert pool_percentiles(np.array([3.0, 1.0, 1.0, np.nan])).tolist() == [0.75, 0.375, 0.375, 1.0]
+    assert badness(signals, None).tolist() == [pytest.approx(1 / 3), 1.0, 1.0]

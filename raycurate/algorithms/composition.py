@@ -20,15 +20,19 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Step:
-    """One example-level step: ``scores`` (id -> score, ranks and keeps a fraction) or ``dropped`` (ids removed)."""
+    """One example-level step: ``scores`` (id -> score, ranks and keeps a fraction, or with ``min_score`` the rows
+    scoring at least that) or ``dropped`` (ids removed)."""
 
     name: str
     scores: Mapping[str, float] | None = None
     dropped: frozenset[str] | None = None
+    min_score: float | None = None
 
     def __post_init__(self) -> None:
         if (self.scores is None) == (self.dropped is None):
             raise ValueError(f"step {self.name!r}: give exactly one of scores (a ranking) or dropped (a filter)")
+        if self.min_score is not None and self.scores is None:
+            raise ValueError(f"step {self.name!r}: min_score needs scores")
 
 
 def keep_count(fraction: float, rows: int) -> int:
@@ -60,10 +64,13 @@ def ranked_ids(ids: Sequence[str], scores: Mapping[str, float], seed: int) -> li
 
 
 def apply_step(kept: Sequence[str], step: Step, keep_fraction: float, seed: int) -> list[str]:
-    """The rows of ``kept`` that survive ``step`` (sorted by id): the top ``keep_fraction`` or the undropped."""
+    """The rows of ``kept`` that survive ``step`` (sorted by id): the top ``keep_fraction``, those scoring at least
+    ``step.min_score``, or the undropped."""
     if step.dropped is not None:
         return sorted(i for i in kept if i not in step.dropped)
     assert step.scores is not None
+    if step.min_score is not None:
+        return sorted(i for i in kept if step.scores[i] >= step.min_score)
     top = ranked_ids(kept, step.scores, seed)[:keep_count(keep_fraction, len(kept))]
     return sorted(top)
 

@@ -46,6 +46,51 @@ def row_signals(reference: np.ndarray, base: np.ndarray | None = None) -> dict[s
             "eos": float(ref[-1]), "excess_max": excess}
 
 
+def calibrated_percentiles(values: np.ndarray, calibration: np.ndarray) -> np.ndarray:
+    """Where each value falls among clean rows' values: the share of ``calibration`` values <= it.
+
+    Args:
+        values: (N,) a signal of the rows to judge (higher = worse; NaN = no supervised token, judged worst).
+        calibration: (M,) the same signal on held-out trusted rows (clean by construction), M >= 1.
+
+    Returns:
+        (N,) in [0, 1]: 0.95 means the row is worse than 95% of clean rows.
+    """
+    ref = np.sort(np.asarray(calibration, dtype=np.float64))
+    ref = ref[~np.isnan(ref)]
+    if ref.size == 0:
+        raise ValueError("calibration needs at least one trusted row with a finite signal")
+    v = np.asarray(values, dtype=np.float64)
+    out = np.searchsorted(ref, v, side="right") / ref.size
+    return np.where(np.isnan(v), 1.0, out)
+
+
+def pool_percentiles(values: np.ndarray) -> np.ndarray:
+    """(N,) each value's average rank among ``values`` over N, in (0, 1] (NaN judged worst): the pool's own scale
+    when no calibration rows are held out."""
+    v = np.asarray(values, dtype=np.float64)
+    filled = np.where(np.isnan(v), np.inf, v)
+    order = filled.argsort(kind="stable")
+    ranks = np.empty(v.size)
+    ranks[order] = np.arange(1, v.size + 1)
+    for value in np.unique(filled):  # ties share their average rank
+        tied = filled == value
+        ranks[tied] = ranks[tied].mean()
+    return ranks / max(v.size, 1)
+
+
+def badness(signals: dict[str, np.ndarray], calibration: dict[str, np.ndarray] | None) -> np.ndarray:
+    """(N,) a row's worst standing over several signals: the max over ``signals`` of its calibrated percentile
+    (:func:`calibrated_percentiles`; the pool's own ranks without ``calibration``).  A row is as bad as the signal
+    it is most unusual in: the worst token catches wrong results and unsafe lines, the excess over the base model
+    catches a plausible number that the trusted rows contradict."""
+    if not signals:
+        raise ValueError("give at least one signal")
+    scaled = [calibrated_percentiles(v, calibration[name]) if calibration is not None else pool_percentiles(v)
+              for name, v in signals.items()]
+    return np.maximum.reduce(scaled)
+
+
 def signal_scores(values: Sequence[float]) -> np.ndarray:
     """Ranking scores (higher = keep) from signal values (higher = worse): their negation, NaN (a row without
     supervised tokens) ranked last."""

@@ -57,11 +57,22 @@ class CurateConfig:
     bds_mode: str = option(
         "select", "select: keep the top rows by BDS weight and train on them unweighted; weight: also train with "
         "the kept rows' BDS weights (renormalised to mean 1) as the SFT weight column.", choices=("select", "weight"))
-    reference_signal: str = option(
-        "max", "reference step: the row signal it ranks by (higher loss = worse) under a LoRA reference trained on "
-        "the trusted set: max (the worst token), mean, top3 (mean of the three worst tokens), eos (the end-of-turn "
-        "token), excess_max (worst token of reference minus base loss).",
-        choices=("mean", "max", "top3", "eos", "excess_max"))
+    reference_signals: list[str] = option(
+        ["max", "excess_max"], "reference step: the row signals (higher loss = worse) under a LoRA reference trained "
+        "on the trusted set, among max (the worst token), mean, top3 (mean of the three worst tokens), eos (the "
+        "end-of-turn token), excess_max (the worst token of reference minus base loss). A row's badness is its worst "
+        "standing over them: the max of its percentiles among held-out trusted rows (or among the pool when "
+        "calibration_fraction is 0).", items=("mean", "max", "top3", "eos", "excess_max"))
+    keep_rule: str = option(
+        "calibrated", "reference step: calibrated (keep the rows whose badness is at most calibration_quantile: "
+        "no worse than that share of held-out trusted rows, whatever the pool's share of bad rows) or fraction "
+        "(keep the keep_fraction best rows, as the other ranking steps).", choices=("calibrated", "fraction"))
+    calibration_fraction: float = option(
+        0.25, "reference step: share of the trusted rows held out from the reference's training to calibrate the "
+        "signals on (a seeded split by curate.seed; 0: none, only with keep_rule fraction).", ge=0, lt=1)
+    calibration_quantile: float = option(
+        0.95, "reference step, keep_rule calibrated: the badness a kept row may have, as the share of held-out trusted "
+        "rows it may be worse than.", gt=0, le=1)
     reference_epochs: int = option(
         3, "reference step / mask step: epochs of the reference's LoRA fine-tuning on the trusted rows (train.* "
         "otherwise).", ge=1)
@@ -82,6 +93,11 @@ class CurateConfig:
     def config_problems(self) -> list[str]:
         """The step list's problems (:func:`steps_problems`) and arms that are neither a step nor random."""
         problems = steps_problems(self.steps)
+        if not self.reference_signals:
+            problems.append("curate.reference_signals: is empty; list at least one, e.g. [max, excess_max]")
+        if self.keep_rule == "calibrated" and self.calibration_fraction == 0 and "reference" in self.steps:
+            problems.append("curate.calibration_fraction: keep_rule calibrated needs held-out trusted rows; set it "
+                            "above 0 (e.g. 0.25) or use curate.keep_rule=fraction")
         unknown = sorted(set(self.arms or []) - set(self.steps) - {"random"})
         if unknown:
             problems.append(f"curate.arms: {unknown} are not steps of curate.steps {self.steps} nor random")

@@ -78,15 +78,7 @@ def score_step(run: RunDir, cfg: JobConfig, name: str) -> tuple[Step, dict]:
         info = {k: analysis[k] for k in ("auroc", "auroc_ci95", "candidates") if k in analysis}
         return Step(name, scores=final_weights(run, "curate_bds")), info
     if name == "reference":
-        from raycurate.algorithms.reference_signals import signal_scores
-        from raycurate.stages.reference import read_signal
-
-        record = reference_scores(run, cfg)
-        values = read_signal(run, REFERENCE_SCORES, cfg.curate.reference_signal)
-        scores = dict(zip(values, signal_scores(list(values.values())).tolist()))
-        separation = record["metrics"].get("separation", {}).get(cfg.curate.reference_signal, {})
-        info = {k: separation[k] for k in ("auroc", "auroc_ci95") if k in separation}
-        return Step(name, scores=scores), info
+        return reference_step(run, cfg)
     if name == "p2d":
         from raycurate.pipelines.p2d import run_p2d_scoring
         from raycurate.stages.p2d import selection_scores
@@ -99,19 +91,70 @@ def score_step(run: RunDir, cfg: JobConfig, name: str) -> tuple[Step, dict]:
 
 REFERENCE_MODEL = "curate_reference"
 REFERENCE_SCORES = "curate_reference_scores"
+CALIBRATION_SCORES = "curate_reference_calibration"
 
 
 def reference_scores(run: RunDir, cfg: JobConfig) -> dict:
-    """Train the trusted reference (LoRA on the trusted rows, ``curate.reference_epochs``) and score every pool
-    row's response tokens under it and the base model; returns the scores stage's record."""
+    """Train the trusted reference (LoRA on the trusted rows, less the ``curate.calibration_fraction`` held out,
+    ``curate.reference_epochs``) and score every pool row's and every held-out trusted row's response tokens under
+    it and the base model; returns the pool scores stage's record."""
     from raycurate.stages.data_stages import TRUSTED_TOKENS
     from raycurate.stages.model_stages import train_stage
     from raycurate.stages.reference import reference_scores_stage
+    from raycurate.stages.rows import ids_subset_stage, seeded_sample, token_ids
 
-    train_cfg = dataclasses.replace(cfg.train, epochs=cfg.curate.reference_epochs, max_steps=None)
-    train_stage(run, REFERENCE_MODEL, tokens_stage=TRUSTED_TOKENS, init_stage="base_model", train_cfg=train_cfg)
+    curate = cfg.curate
+    fit = TRUSTED_TOKENS
+    if curate.calibration_fraction > 0:
+        trusted = token_ids(run, TRUSTED_TOKENS)
+        held = seeded_sample(trusted, max(1, round(curate.calibration_fraction * len(trusted))), curate.seed)
+        if len(held) == len(trusted):
+            raise ValueError(f"curate.calibration_fraction={curate.calibration_fraction} holds out all "
+                             f"{len(trusted)} trusted rows; lower it or add trusted rows")
+        ids_subset_stage(run, "curate_trusted_fit", tokens_stage=TRUSTED_TOKENS, ids=sorted(set(trusted) - set(held)),
+                         description="trusted rows the reference trains on")
+        ids_subset_stage(run, "curate_trusted_calibration", tokens_stage=TRUSTED_TOKENS, ids=held,
+                         description="trusted rows held out to calibrate the reference's signals")
+        fit = "curate_trusted_fit"
+    train_cfg = dataclasses.replace(cfg.train, epochs=curate.reference_epochs, max_steps=None)
+    train_stage(run, REFERENCE_MODEL, tokens_stage=fit, init_stage="base_model", train_cfg=train_cfg)
+    if curate.calibration_fraction > 0:
+        reference_scores_stage(run, CALIBRATION_SCORES, pool_stage="curate_trusted_calibration",
+                               base_stage="base_model", reference_stage=REFERENCE_MODEL, pool_cfg=cfg.p2d_pool)
     return reference_scores_stage(run, REFERENCE_SCORES, pool_stage="curate_pool_rows", base_stage="base_model",
-                                  reference_stage=REFERENCE_MODEL, pool_cfg=cfg.p2d_pool, seed=cfg.curate.seed)
+                                  reference_stage=REFERENCE_MODEL, pool_cfg=cfg.p2d_pool, seed=curate.seed)
+
+
+def reference_step(run: RunDir, cfg: JobConfig) -> tuple[Step, dict]:
+    """The reference step: each pool row's badness (its worst calibrated standing over
+    ``curate.reference_signals``), ranked; with ``keep_rule: calibrated`` the rows at most
+    ``calibration_quantile`` bad are kept, else the ``keep_fraction`` best."""
+    import numpy as np
+
+    from raycurate.algorithms.composition import Step
+    from raycurate.algorithms.reference_signals import badness
+    from raycurate.stages.reference import read_signal
+    from raycurate.stages.rows import clean_labels, corruption_kinds, score_separation
+
+    curate = cfg.curate
+    reference_scores(run, cfg)
+    pool = {name: read_signal(run, REFERENCE_SCORES, name) for name in curate.reference_signals}
+    ids = list(next(iter(pool.values())))
+    calibration = None
+    if curate.calibration_fraction > 0:
+        calibration = {name: np.array(list(read_signal(run, CALIBRATION_SCORES, name).values()))
+                       for name in curate.reference_signals}
+    bad = badness({name: np.array([values[i] for i in ids]) for name, values in pool.items()}, calibration)
+    scores = dict(zip(ids, (-bad).tolist()))
+    calibrated = curate.keep_rule == "calibrated"
+    info: dict = {"signals": list(curate.reference_signals), "keep_rule": curate.keep_rule,
+                  "kept_by_rule": int((bad <= curate.calibration_quantile).sum()) if calibrated else None}
+    labels = clean_labels(run, "curate_pool_rows")
+    if labels:
+        separation = score_separation(ids, -bad, labels, corruption_kinds(run, "curate_pool_rows"), curate.seed)
+        info.update({k: separation[k] for k in ("auroc", "auroc_ci95", "auroc_by_kind") if k in separation})
+    step = Step("reference", scores=scores, min_score=-curate.calibration_quantile if calibrated else None)
+    return step, info
 
 
 def token_table(run: RunDir, cfg: JobConfig) -> str:
