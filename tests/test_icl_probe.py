@@ -162,3 +162,14 @@ def test_ifd_is_the_conditional_over_unconditional_loss():
         ifd_scores(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]))
     with pytest.raises(ValueError, match="matching"):
         ifd_scores(torch.ones(2), torch.ones(3))
+
+
+def test_query_centred_scores_take_out_each_querys_own_difficulty():
+    from raycurate.algorithms.icl_probe import query_centred_scores
+
+    queries = [["q1", "q2"], ["q1", "q3"], ["q2", "q3"]]
+    scores = [[0.9, 0.1], [0.7, 0.5], [0.3, 0.5]]
+    # query means q1 0.8, q2 0.2, q3 0.5 -> prompts (0.1 - 0.1) / 2, (-0.1 + 0) / 2, (0.1 + 0) / 2
+    assert query_centred_scores(queries, scores).tolist() == pytest.approx([0.0, -0.05, 0.05])
+    with pytest.raises(ValueError, match="query scores"):
+        query_centred_scores([["q1"]], [[0.1, 0.2]])

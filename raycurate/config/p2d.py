@@ -34,6 +34,11 @@ class P2DConfig:
         "loglik", "Query score s^(k): teacher-forced gold likelihood (geometric-mean token probability, for models "
         "too small to generate), exact_match of the generated final answer, or rouge_l of the generated response.",
         choices=("loglik", "exact_match", "rouge_l"))
+    query_baseline: str = option(
+        "none", "s^(k) as the paper (none), or query_mean: each query's score minus its mean over every prompt it "
+        "appears in, so a prompt's score measures what its demonstrations did rather than how hard its queries "
+        "were (best with queries from a trusted set, where each query appears many times).",
+        choices=("none", "query_mean"))
     instruction: str = option("Solve the following problems. Show your work and end with '#### answer'.",
                               "Instruction at the top of every ICL prompt.")
     max_prompt_tokens: int = option(2048, "ICL prompts longer than this are an error naming the prompt.", ge=1)

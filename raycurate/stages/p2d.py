@@ -361,12 +361,17 @@ def probe_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, he
 # --------------------------------------------------------------------------------------------- selection
 
 
-def example_scores(ids: list[str], probes: list[dict]) -> Any:
-    """s_final per pool example (order of ``ids``): mean over its demonstration appearances of s^(k) w^(k)."""
-    from raycurate.algorithms.icl_probe import aggregate_example_scores
+def example_scores(ids: list[str], probes: list[dict], query_baseline: str = "none") -> Any:
+    """s_final per pool example (order of ``ids``): mean over its demonstration appearances of s^(k) w^(k), with
+    s^(k) centred per query under ``query_baseline: query_mean``."""
+    from raycurate.algorithms.icl_probe import aggregate_example_scores, query_centred_scores
 
     index = {example_id: i for i, example_id in enumerate(ids)}
-    appearances = [(index[d], p["score"], w) for p in probes
+    prompt_scores = [p["score"] for p in probes]
+    if query_baseline == "query_mean":
+        prompt_scores = query_centred_scores([p["queries"] for p in probes],
+                                             [p["query_scores"] for p in probes]).tolist()
+    appearances = [(index[d], s, w) for p, s in zip(probes, prompt_scores)
                    for d, w, counted in zip(p["demos"], p["demo_weights"], p["counted"]) if counted]
     return aggregate_example_scores(appearances, len(ids))
 
@@ -402,7 +407,7 @@ def select_stage(run: RunDir, stage: str, *, pool_stage: str, probe_stage_name: 
     def body(out: Path) -> StageOutput:
         ids = token_ids(run, pool_stage)
         probes = read_token_rows(output_path(run, probe_stage_name, "probes"))
-        scores = example_scores(ids, probes)
+        scores = example_scores(ids, probes, p2d_cfg.query_baseline)
         chosen = {ids[i] for i in select_top(scores, p2d_cfg.data_ratio)}
         labels = clean_labels(run, pool_stage)
         pq.write_table(pa.Table.from_pylist(selection_rows(ids, scores, chosen, labels)),
@@ -413,8 +418,10 @@ def select_stage(run: RunDir, stage: str, *, pool_stage: str, probe_stage_name: 
             "precision_random": precision(random, labels), "precision_pool": precision(ids, labels),
             **score_separation(ids, scores, labels, corruption_kinds(run, pool_stage), p2d_cfg.seed)})
 
-    return run_stage(run, stage, body, config={"data_ratio": p2d_cfg.data_ratio},
-                     upstream=[pool_stage, probe_stage_name], force=force)
+    config: dict[str, Any] = {"data_ratio": p2d_cfg.data_ratio}
+    if p2d_cfg.query_baseline != "none":  # keyed only when set, so finished runs keep their hashes
+        config["query_baseline"] = p2d_cfg.query_baseline
+    return run_stage(run, stage, body, config=config, upstream=[pool_stage, probe_stage_name], force=force)
 
 
 def selection_scores(run: RunDir, select_stage_name: str) -> dict[str, float]:
