@@ -315,7 +315,13 @@ def _curate(cfg: JobConfig, out: Path, *, train: bool, questions: list[dict] | N
     prepare_data(run, cfg, heldout_stage="heldout" if questions else None)
     if "bridge" in cfg.curate.steps:
         check_warmup_rows(run, cfg)
-    composition = compose_pool(run, cfg)
+    try:
+        composition = compose_pool(run, cfg)
+    except ValueError as exc:  # compose's "step ... kept no rows": a threshold rule on rows unlike the trusted ones
+        if "kept no rows" not in str(exc):
+            raise
+        raise UserError(f"{exc}; with the reference step's calibrated rule raise curate.calibration_quantile or use "
+                        "curate.keep_rule=fraction, and check that the trusted rows look like your data") from None
     order = [s for s in cfg.curate.steps if s not in TOKEN_STEPS]
     steps = [composition.steps[name] for name in order]
     decided = ledger(composition.pool, steps, cfg.curate.keep_fraction, cfg.curate.seed)
@@ -323,7 +329,8 @@ def _curate(cfg: JobConfig, out: Path, *, train: bool, questions: list[dict] | N
         raise RuntimeError("the row ledger disagrees with the composition; this is a bug, please report it")
     token_step = next((s for s in cfg.curate.steps if s in TOKEN_STEPS), None)
     decisions = Decisions(steps=steps, ledger=decided, keep_fraction=cfg.curate.keep_fraction,
-                          signal=cfg.curate.reference_signal, token_step=token_step)
+                          signals=list(cfg.curate.reference_signals),
+                          calibrated=cfg.curate.calibration_fraction > 0, token_step=token_step)
     trained = train_curated(run, cfg) if train else None
     evaluation = evaluate_models(run, cfg) if questions else None
     return write_folder(run, cfg, out, decisions, composition.step_info, trained=trained, evaluation=evaluation,
@@ -524,7 +531,9 @@ def summarize(run: RunDir, cfg: JobConfig, out: Path, decisions: Any, step_info:
         "steps": steps,
         "token_level": counts["token_level"] if decisions.token_step else None,
         "settings": {"steps": list(curate.steps), "keep_fraction": curate.keep_fraction, "bds_mode": curate.bds_mode,
-                     "reference_signal": curate.reference_signal, "mask_threshold": curate.mask_threshold,
+                     "reference_signals": list(curate.reference_signals), "keep_rule": curate.keep_rule,
+                     "calibration_fraction": curate.calibration_fraction,
+                     "calibration_quantile": curate.calibration_quantile, "mask_threshold": curate.mask_threshold,
                      "dedup_threshold": curate.dedup_threshold, "seed": curate.seed,
                      "split_ratios": cfg.data.split_ratios, "max_length": cfg.data.max_length,
                      "model": cfg.model.name_or_path, "train": "model" in files, "heldout": heldout},

@@ -49,10 +49,14 @@ def section_user_curate(run_dir: Path, manifest: dict, report_dir: Path) -> str:
     counts += [[f"dropped by {step} (dropped.jsonl)", n] for step, n in rows["dropped_by_step"].items()]
     counts += [[f"rejected: {reason} (rejected.jsonl)", n] for reason, n in rows["rejected_by_reason"].items()]
     settings = block["settings"]
+    rule = f"ranking steps keep {settings['keep_fraction']:.0%} of the rows they receive"
+    if "reference" in settings["steps"] and settings.get("keep_rule") == "calibrated":
+        rule += (f", the reference the rows worse than at most {settings['calibration_quantile']:.0%} of the "
+                 "held-out trusted rows")
     parts = [f"<h2 id='your-data'>Your curated data</h2><p>{rows['input']} input rows: <b>{rows['kept']} kept</b>, "
-             f"{rows['dropped']} dropped, {rows['rejected']} rejected. Steps {esc(' -> '.join(settings['steps']))}, "
-             f"each ranking step keeping {settings['keep_fraction']:.0%} of the rows it received; target: "
-             f"{block['trusted'].get('accepted')} trusted rows.</p>" + table(["outcome", "rows"], counts)]
+             f"{rows['dropped']} dropped, {rows['rejected']} rejected. Steps {esc(' -> '.join(settings['steps']))} "
+             f"({esc(rule)}); target: {block['trusted'].get('accepted')} trusted rows.</p>"
+             + table(["outcome", "rows"], counts)]
     uncurated = sum(rows["kept_uncurated"].values())
     if uncurated:
         parts.append(f"<p>{uncurated} rows were set aside for BRIDGE's warmup fine-tuning (the model it scores tokens "

@@ -39,7 +39,7 @@ CURATED, DROPPED, REJECTED, SCORES = "curated.jsonl", "dropped.jsonl", "rejected
 KEPT, DROPPED_OUTCOME, UNCURATED = "curated", "dropped", "kept_uncurated"
 REFERENCE_STAGE = "curate_reference_scores"
 DEDUP_STAGE = "curate_dedup"
-#: How a reason names the reference's row signal (``curate.reference_signal``).
+#: How a reason names the reference's row signals (``curate.reference_signals``).
 SIGNAL_WORDS = {"max": "worst-token loss", "mean": "mean token loss", "top3": "mean loss of the 3 worst tokens",
                 "eos": "end-of-turn token loss", "excess_max": "worst-token loss above the base model's"}
 RANKED_BY = {"reference": "the trusted reference", "bds": "its BDS weight, learned against the trusted set",
@@ -57,7 +57,9 @@ class Decisions:
         steps: The example-level steps in order.
         ledger: :func:`raycurate.algorithms.composition.ledger` of those steps over the pool.
         keep_fraction: ``curate.keep_fraction``.
-        signal: ``curate.reference_signal`` (what the reference step ranked by).
+        signals: ``curate.reference_signals`` (the losses the reference step's badness is the worst standing in).
+        calibrated: The badness is a percentile among held-out trusted rows (``curate.calibration_fraction`` > 0),
+            else among the pool's rows.
         token_step: ``mask``, ``bridge`` or None.
         pool_stage: The pool's token table (every row the steps curated).
         composed_stage: The kept rows after the token-level step, with their SFT weights (``curate_rows``).
@@ -66,7 +68,8 @@ class Decisions:
     steps: list[Step]
     ledger: Ledger
     keep_fraction: float
-    signal: str
+    signals: list[str]
+    calibrated: bool
     token_step: str | None
     pool_stage: str = "curate_pool_rows"
     composed_stage: str = "curate_rows"
@@ -165,15 +168,20 @@ def drop_reason(step: Step, row_id: str, decisions: Decisions, values: dict[str,
         return {"reason": f"near-duplicate of {what} (Jaccard {pair.get('jaccard', float('nan')):.2f})",
                 "score": None, "rank": None, "duplicate_of": other, "jaccard": pair.get("jaccard")}
     assert step.scores is not None
-    rank, received = ledger.ranks[step.name][row_id], ledger.received[step.name]
+    rank, received, score = ledger.ranks[step.name][row_id], ledger.received[step.name], step.scores[row_id]
     if step.name == "reference":
-        value = values["reference"][row_id][f"signal_{decisions.signal}"]
-        shown = f"{SIGNAL_WORDS[decisions.signal]} {value:.2f} nats"
+        row = values["reference"][row_id]
+        losses = ", ".join(f"{SIGNAL_WORDS.get(s, s)} {row[f'signal_{s}']:.2f} nats" for s in decisions.signals)
+        scale = "the held-out trusted rows" if decisions.calibrated else "the pool's rows"
+        shown = f"worse than {-score:.0%} of {scale}: {losses}"
+        limit = None if step.min_score is None else f"the rows worse than at most {-step.min_score:.0%} of them"
     else:
-        shown = f"{'weight' if step.name == 'bds' else 'score'} {step.scores[row_id]:.4g}"
-    reason = (f"ranked {rank} of {received} by {RANKED_BY.get(step.name, step.name)} ({shown}); kept the top "
-              f"{decisions.keep_fraction:.0%} ({ledger.passed[step.name]} rows)")
-    return {"reason": reason, "score": _finite(step.scores[row_id]), "rank": rank}
+        shown = f"{'weight' if step.name == 'bds' else 'score'} {score:.4g}"
+        limit = None if step.min_score is None else f"the rows scoring at least {step.min_score:.4g}"
+    kept = f"the top {decisions.keep_fraction:.0%}" if limit is None else limit
+    reason = (f"ranked {rank} of {received} by {RANKED_BY.get(step.name, step.name)} ({shown}); kept {kept} "
+              f"({ledger.passed[step.name]} rows)")
+    return {"reason": reason, "score": _finite(score), "rank": rank}
 
 
 def write_outputs(run: RunDir, folder: Path, decisions: Decisions, inputs: list[str]) -> dict:
