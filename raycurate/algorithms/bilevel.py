@@ -1,8 +1,8 @@
 """Bilevel data curation math: BDS data weights and their omega update (BMO lives in :mod:`raycurate.algorithms.bmo`).
 
-Paper: bilevel-data-curation (eqs. 2, 5, 8-10, Lemma 4, Corollary 5, Algorithm 1); decisions in SPEC §6.
+Paper: bilevel-data-curation (eqs. 2, 5, 8-10, Lemma 4, Corollary 5, Algorithm 1); decisions in docs/bilevel.md.
 
-* Data weights (eq. 2, SPEC §6): one logit ``omega_i`` per candidate example, ``sigma(omega) = N * softmax(omega)``
+* Data weights (eq. 2): one logit ``omega_i`` per candidate example, ``sigma(omega) = N * softmax(omega)``
   where the softmax runs over **all** N candidates (the paper's simplex weights scaled by N, so the weights have
   mean 1 and sum N; a uniform omega gives every example weight exactly 1).
 * Penalty objective: ``L_val(theta) + gamma/N * sum_i sigma_i(omega) L_i(theta)`` with ``gamma = rho/(1 - rho)``;
@@ -13,7 +13,7 @@ Paper: bilevel-data-curation (eqs. 2, 5, 8-10, Lemma 4, Corollary 5, Algorithm 1
   ``sparse_adam`` take the sampled-row estimator :func:`sampled_omega_gradient` (same expectation over the batch
   draw, zero on unsampled rows) and apply :func:`sparse_sgd_update` / :func:`sparse_adam_update` (moments and step
   counts of the sampled rows only).  Dense ``adam`` (the paper's) records the sampling order instead of the loss
-  signal (SPEC §6; kept only as the faithful reproduction).  Everything is float64 numpy and pure, so the same
+  signal (docs/bilevel.md; kept only as the faithful reproduction).  Everything is float64 numpy and pure, so the same
   inputs give bit-identical outputs on every worker.
 * BMO (Algorithm 1, eq. 8-10), importance weights and the masked question set, lives in
   :mod:`raycurate.algorithms.bmo`.
@@ -134,7 +134,7 @@ def omega_gradient(
     where ``c_j`` counts how often j was sampled (0 or 1 without replacement).  Every logit gets gradient: sampled
     ones ``gamma/B (sigma_j l_j - p_j S)``, the others ``-gamma/B p_j S`` (the softmax couples them).  The
     components sum to 0 (softmax is shift invariant).  This is eq. 5b / 10b with the paper's simplex weights
-    replaced by SPEC's N-scaled ones; with Adam the constant factor only matters relative to ``eps``, and the N
+    replaced by our N-scaled ones; with Adam the constant factor only matters relative to ``eps``, and the N
     scaling keeps sampled components O(l) whatever N is.
 
     The losses are numbers, not graph nodes: the exact method (eq. 5b) passes the candidates' losses at
@@ -405,7 +405,7 @@ def update_omega(
     * ``sparse_adam``: :func:`sampled_omega_gradient` + :func:`sparse_adam_update`.
     * ``adam``: :func:`omega_gradient` + dense :func:`adam_update` -- the paper's; Adam normalises every unsampled
       logit's tiny same-sign coupling gradient to a ~+lr step, so omega ends up encoding when each row was first
-      sampled (SPEC §6).  Faithful reproduction only.
+      sampled (docs/bilevel.md).  Faithful reproduction only.
 
     Args:
         optimizer: One of :data:`OMEGA_OPTIMIZERS`.

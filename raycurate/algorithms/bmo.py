@@ -1,4 +1,5 @@
-"""BMO math (bilevel-data-curation Algorithm 1, eqs. 8-10; decisions in SPEC §6): importance weights and masking.
+"""BMO math (bilevel-data-curation Algorithm 1, eqs. 8-10): importance weights and masking; decisions in
+docs/bilevel.md.
 
 * :func:`token_logprobs` and :func:`importance_weights` of generated responses (``clip`` or ``self_normalize``,
   optionally per question group), :func:`grouped_response_losses` for the weighted generated-response loss.

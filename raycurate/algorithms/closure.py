@@ -1,4 +1,4 @@
-"""BRIDGE structure-aware closure projection of the response mask (paper App. G.1, SPEC §4).
+"""BRIDGE structure-aware closure projection of the response mask (paper App. G.1; docs/bridge.md).
 
 After the alternating token-level selection, the response mask ``S_r^(T)`` is projected onto whole structural
 units of the response text under the same budget ``b_r``, using only the final conditional scores

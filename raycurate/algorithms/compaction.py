@@ -1,4 +1,4 @@
-"""Compact SFT rows for BRIDGE's final training (paper §4, App. B.2, D.1; SPEC §4 "Compact SFT").
+"""Compact SFT rows for BRIDGE's final training (paper §4, App. B.2, D.1; docs/bridge.md).
 
 Final SFT trains on ``kept prompt tokens + the complete response``: prompt tokens that the selection dropped are
 physically removed from ``input_ids`` (they cost no compute and the model never sees them), while every response
@@ -14,7 +14,7 @@ special tokens.
 
 Normalisation: the training stage's loss :func:`raycurate.algorithms.losses.example_losses` already divides each
 example's summed token loss by its number of supervised positions (``loss_mask`` count, position 0 excluded), so a
-compacted row's loss is the mean over its selected positions (+EOS), as SPEC §4 asks; nothing to change there.
+compacted row's loss is the mean over its selected positions (+EOS), as compact SFT asks; nothing to change there.
 """
 
 from __future__ import annotations

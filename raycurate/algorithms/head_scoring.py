@@ -1,4 +1,5 @@
-"""Task sensitivity of attention heads from base vs proxy weights, and the top-rho_P selection (P2D §3.2.1; SPEC §5).
+"""Task sensitivity of attention heads from base vs proxy weights, and the top-rho_P selection (P2D §3.2.1;
+docs/p2d.md).
 
 Each query head has a weight vector ``vec`` of length D (:mod:`raycurate.models.heads`: q rows, KV-group k and v
 rows, optionally o columns).  Its distribution is ``P = softmax(vec / tau)`` (tau = 0.1) placed on the normalised

@@ -1,4 +1,4 @@
-"""Head-guided ICL probing of training examples (P2D §3.2.2, Data Whisperer protocol; SPEC §5).
+"""Head-guided ICL probing of training examples (P2D §3.2.2, Data Whisperer protocol; docs/p2d.md).
 
 Each prompt is an instruction, ``demos_per_prompt`` (5) demonstrations and ``queries_per_prompt`` (3) queries, all
 drawn from the selection pool.  Per prompt k the model answers the queries, giving one prompt score s^(k) (exact

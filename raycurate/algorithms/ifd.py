@@ -1,4 +1,4 @@
-"""Instruction-Following Difficulty, the IFD data baseline of P2D (Li et al., 2024, "Cherry LLM"; SPEC §5).
+"""Instruction-Following Difficulty, the IFD data baseline of P2D (Li et al., 2024, "Cherry LLM"; docs/p2d.md).
 
 ``IFD(x, y) = L(y | x) / L(y)``: the model's mean response-token loss with the instruction in context, divided by
 its mean loss on the response alone.  A ratio near or above 1 means the instruction hardly helps to predict the

@@ -1,7 +1,7 @@
 """Compiled (numba) kernels for BRIDGE's per-example selection and closure, with the numpy code as the fallback.
 
 The per-example work of ``bridge_select`` (alternating selection, closure projection) runs a few dozen numpy calls
-on arrays of ~300 elements, where the ~1-5 us overhead per call dominates the arithmetic (issue #29).  The kernels
+on arrays of ~300 elements, where the ~1-5 us overhead per call dominates the arithmetic.  The kernels
 here fuse those calls into one compiled loop each.  They reproduce the numpy code bit for bit:
 
 * sums use numpy's own pairwise summation (:func:`_np_sum`: 8 accumulators up to 128 elements, halves above), so

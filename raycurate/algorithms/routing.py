@@ -1,4 +1,4 @@
-"""BRIDGE attention routing weights and interaction terms (paper §4.3, App. B.3; SPEC §4), pure torch.
+"""BRIDGE attention routing weights and interaction terms (paper §4.3, App. B.3; docs/bridge.md), pure torch.
 
 Positions follow the token-level row contract: an example of ``n`` real tokens has its prompt side at positions
 ``[0, p)`` (``p = prompt_len``, BOS at 0) and its response side at ``[p, n)`` (EOS at ``n - 1``).  Response token
@@ -17,7 +17,7 @@ Definitions (paper App. B.3, which overrides the looser wording "input position"
   ("the history term sums only positions j' < j, excluding self-attention", App. B.3).  ``c[0] = 0``.
 
 Rows cover every response position including EOS, and columns every prompt position including BOS; which of them
-are eligible for the budgets (BOS kept and EOS supervised are fixed, SPEC §4) is the selection's business, so
+are eligible for the budgets (BOS kept and EOS supervised are fixed; docs/bridge.md) is the selection's business, so
 fixed positions are not dropped here.  Interaction terms (§4.3): ``beta[i, j] = A_p[j, i] a_j`` and
 ``gamma[j] = a_j c_j`` with ``a_j`` the utility of response token ``j`` (``a[p + j]`` of the (T,) utility row).
 """

@@ -1,4 +1,4 @@
-"""BRIDGE budgets and coupled prompt/response token selection (paper §4.4, App. A.4, C.2, G.1; SPEC §4).
+"""BRIDGE budgets and coupled prompt/response token selection (paper §4.4, App. A.4, C.2, G.1; docs/bridge.md).
 
 Everything here is per example and works on numpy ``float64`` arrays over the *eligible* positions of one row:
 
@@ -73,7 +73,7 @@ class SelectionResult:
 
 
 def budgets(n_prompt_eligible: int, n_response_eligible: int, rho_p: float, rho_r: float) -> tuple[int, int]:
-    """Per-side token budgets ``b = round(rho * n)`` over the eligible positions (SPEC §4, App. G.1).
+    """Per-side token budgets ``b = round(rho * n)`` over the eligible positions (paper App. G.1).
 
     Rounding is half up, ``floor(rho * n + 0.5)`` (not Python's banker's ``round``): 0.75 * 2 = 1.5 -> 2 and
     0.5 * 5 = 2.5 -> 3.  With ``0 <= rho <= 1`` this gives ``0 <= b <= n``.
@@ -263,7 +263,7 @@ def corpus_budgets(scores: Sequence[np.ndarray], rho: float, floor: float = 0.0)
 
 
 def supervise_first(mask: np.ndarray, scores: np.ndarray, k: int, protected: np.ndarray | None = None) -> np.ndarray:
-    """Swap the first ``k`` positions into a response selection, keeping its size (beyond the paper, issue #26).
+    """Swap the first ``k`` positions into a response selection, keeping its size (beyond the paper; docs/bridge.md).
 
     Every position among the first ``k`` that ``mask`` lacks replaces the lowest-scoring selected position outside
     the first ``k`` and outside ``protected`` (ties: the later position goes first).  When no such position is

@@ -123,7 +123,8 @@ def t_interval_over_runs(differences: np.ndarray, *, level: float = 0.95) -> Est
 
     The paired bootstrap resamples questions and holds each run's training fixed; runs that repeat a corpus seed
     with another ``train.seed`` make this interval include the training's own randomness, which on the embedded
-    model is as large as some arms' differences (issue #26).
+    model is as large as some arms' differences (docs/bridge.md, "BRIDGE vs random tokens on the
+    proving ground").
 
     Args:
         differences: (R,) one mean difference (treatment minus control) per run.

@@ -1,4 +1,4 @@
-"""Token-selection baselines on BRIDGE's machinery and budgets (paper §5.1, App. B.2, D.1; SPEC §7).
+"""Token-selection baselines on BRIDGE's machinery and budgets (paper §5.1, App. B.2, D.1; docs/bridge.md).
 
 Every baseline returns :class:`TokenMasks`, the same form as BRIDGE's row masks
 (:func:`raycurate.algorithms.selection.to_row_masks`): ``prompt_keep`` (prompt_len,) bool and ``loss_mask`` (n,)
@@ -25,7 +25,7 @@ Substitution for LLMLingua-2 (decision): its token-classifier model is not avail
 selector of the compositions is either random (:func:`random_scores`) or self-information, the base model's
 surprisal ``-log p(x_i | x_<i)`` of each prompt token (:func:`surprisal_prompt_scores`), which is the criterion
 of LLMLingua-1 (Jiang et al., 2023) and Selective Context (Li et al., 2023): high-surprisal tokens carry the
-information, predictable ones are dropped.  SPEC §7 allows LLMLingua-2 "when its model is available locally".
+information, predictable ones are dropped.  LLMLingua-2 itself can take this slot once its model is available locally.
 
 Why one ~600-line module: the baselines are the paper's comparison set and share one private layout of a row
 (eligible / fixed positions, matched budgets, the per-row checks at the bottom); split into files they would each
@@ -183,7 +183,7 @@ def excess_loss_scores(loss_base: np.ndarray, loss_ref: np.ndarray) -> np.ndarra
     RHO-1's Selective Language Modeling scores a token by the loss of the model being trained minus the loss of a
     reference model and trains on the top-k% of tokens by this score: tokens the reference has learned but the
     base model has not.  Here the base model is the pretrained ``theta_old`` and the reference defaults to the
-    warmup checkpoint (issue #3, item 7).
+    warmup checkpoint (docs/bridge.md, "Decisions the paper leaves open").
 
     Args:
         loss_base: (n,) per-position token losses of the base model (``losses.token_losses`` layout).

@@ -1,4 +1,4 @@
-"""BRIDGE validation-directed token utilities (paper §4.2, App. A.1; SPEC §4), pure torch.
+"""BRIDGE validation-directed token utilities (paper §4.2, App. A.1; docs/bridge.md), pure torch.
 
 The scoring direction lives on the parameters of the final ``L`` transformer layers (default 4):
 
@@ -10,7 +10,7 @@ of response token ``t`` of an example is the directional derivative of its loss 
 
     a_t = d/de l_t(theta_bar + e v) |_{e=0} = v . grad l_t.
 
-Sign convention (SPEC §4, followed literally; paper App. A.1): a descent step on the selected token losses,
+Sign convention (docs/bridge.md, followed literally; paper App. A.1): a descent step on the selected token losses,
 phi+ = phi_bar - eta G_S, changes the validation-directed objective Psi by -eta v.G_S + O(eta^2), so a token with
 **large positive** ``a_t`` is useful: descending on its loss descends on the validation loss and, through the
 anchor term (the gradient of the L2 retention prior 1/2 ||theta - theta_old||^2 at theta_bar), pulls back towards
@@ -203,7 +203,7 @@ def scoring_direction(
     lam: float = 0.2,
     eps: float = 1e-12,
 ) -> dict[str, torch.Tensor]:
-    """The BRIDGE scoring direction v (paper §4.2, SPEC §4).
+    """The BRIDGE scoring direction v (paper §4.2; docs/bridge.md).
 
     ``v = (1 - lam) g_target / (||g_target|| + eps) + lam g_anchor / (||g_anchor|| + eps)``; each norm is the
     global L2 norm over the whole restricted parameter set (not per tensor).

@@ -1,4 +1,4 @@
-"""Structural units of a response text: alignment, segmentation, merge/split (paper App. G.1, D.2, D.3; SPEC §4).
+"""Structural units of a response text: alignment, segmentation, merge/split (paper App. G.1, D.2, D.3; docs/bridge.md).
 
 The first half of the BRIDGE closure projection (:mod:`raycurate.algorithms.closure` scores and selects the
 units).  A unit is a contiguous run of the example's *eligible* response positions ``0 .. r-1`` (the response side

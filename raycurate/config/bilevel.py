@@ -1,4 +1,5 @@
-"""Config section of the bilevel pipeline (``bilevel:`` in a job YAML); defaults are the paper's (SPEC §6, App. D)."""
+"""Config section of the bilevel pipeline (``bilevel:`` in a job YAML); defaults are the paper's (App. D;
+docs/bilevel.md)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class BilevelConfig:
         "sparse_sgd", "Optimizer of omega. sparse_sgd / sparse_adam: each sampled row is centred on the rest of its "
         "batch and only sampled logits (and Adam moments) move; sgd: the exact mini-batch gradient through the full "
         "softmax with plain SGD; adam: the paper's dense Adam, which makes omega record when each row was first "
-        "sampled (SPEC §6) -- faithful reproduction only.", choices=("sparse_sgd", "sgd", "sparse_adam", "adam"))
+        "sampled, not its quality (docs/bilevel.md) -- faithful reproduction only.",
+        choices=("sparse_sgd", "sgd", "sparse_adam", "adam"))
     omega_baseline: str = option(
         "median", "sparse_sgd / sparse_adam: each sampled row's loss is compared with the median (robust to the "
         "heavy-tailed losses of corrupted rows) or the mean (exactly the full gradient in expectation) of the rest "

@@ -1,4 +1,4 @@
-"""Config section of the BRIDGE pipeline (``bridge:`` in a job YAML); defaults are the paper's (SPEC §4)."""
+"""Config section of the BRIDGE pipeline (``bridge:`` in a job YAML); defaults are the paper's (docs/bridge.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class BridgeConfig:
     first_tokens: int = option(
         0, "Beyond the paper: supervise every row's first N eligible response tokens (swapped in for the lowest-"
         "scoring selected ones, so the budget is unchanged; the final-answer line is never swapped out). The first "
-        "token decides which kind of answer the model starts (issue #26, docs/bridge.md).", ge=0,
+        "token decides which kind of answer the model starts (docs/bridge.md).", ge=0,
     )
     schedule: str = option("alternating", "Selection schedule.", choices=("independent", "one_pass", "alternating"))
     rounds: int = option(4, "Alternating rounds T (alternating schedule only).", ge=1)
@@ -64,7 +64,7 @@ class BridgeConfig:
     warmup_batch: str = option(
         "minibatch", "Warmup SFT batches: minibatch (train's batches, shuffled by train.seed) or full (beyond the "
         "paper: the same number of optimizer steps, each on the mean gradient of the whole warmup split, so "
-        "theta_bar and the selection do not depend on a batch order; issue #26).", choices=("minibatch", "full"))
+        "theta_bar and the selection do not depend on a batch order; docs/bridge.md).", choices=("minibatch", "full"))
     validation_rows: int | None = option(None, "Cap on validation rows for g_target (null: the whole split).", ge=1)
     micro_batch: int = option(8, "Examples per forward JVP / attention pass inside a scoring actor.", ge=1)
     diagnostics_rows: int = option(200, "Examples in the fidelity diagnostics sample (0 disables).", ge=0)

@@ -10,7 +10,7 @@ from raycurate.config.pool import ActorPoolConfig
 
 @dataclass
 class DataConfig:
-    """Where the corpus comes from and how it is validated, split and tokenized (SPEC §3, §9)."""
+    """Where the corpus comes from and how it is validated, split and tokenized (docs/data.md)."""
 
     input: str | list[str] = option(
         "",

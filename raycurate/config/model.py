@@ -11,7 +11,7 @@ from raycurate.models.tiny import TINY_PRESETS
 @dataclass
 class ModelConfig:
     """Base model: the committed embedded checkpoint, a tiny preset pre-trained on first use and cached, or a local HF
-    checkpoint (SPEC §9)."""
+    checkpoint (docs/design.md, "Embedded base model")."""
 
     name_or_path: str = option(
         "embedded",

@@ -1,4 +1,4 @@
-"""Config section of the P2D pipeline (``p2d:`` in a job YAML); defaults are the paper's (SPEC §5)."""
+"""Config section of the P2D pipeline (``p2d:`` in a job YAML); defaults are the paper's (docs/p2d.md)."""
 
 from __future__ import annotations
 

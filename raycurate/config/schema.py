@@ -117,7 +117,7 @@ class ProvingGroundConfig:
         None, "Training seeds (train.seed: batch order, adapter init) per corpus seed; null: train.seed alone. "
         "Each (corpus seed, train seed) is one run, in seed-<seed>/ at train.seed and seed-<seed>-train-<t>/ "
         "otherwise; the summary adds a t-interval over runs, which includes training noise (the question "
-        "bootstrap holds each training fixed; issue #26).")
+        "bootstrap holds each training fixed).")
     pool_only: bool = option(
         False, "Pool the seeds' runs already in <runs_dir>/<name>/seed-<seed>/ as they are (their manifests and "
         "held-out evaluations) without running anything: for runs made by an older raycurate or with other "

@@ -1,4 +1,4 @@
-"""Streaming ingest: read -> validate -> split -> parquet shards + ``rejected.jsonl`` (SPEC §3).
+"""Streaming ingest: read -> validate -> split -> parquet shards + ``rejected.jsonl`` (docs/data.md).
 
 Outputs in ``out_dir`` (all written under temporary names and renamed with ``os.replace`` only when complete):
 

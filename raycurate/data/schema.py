@@ -1,4 +1,4 @@
-"""The corpus schema (SPEC §3): required fields, domains, reject reasons and the strict-mode error.
+"""The corpus schema (docs/data.md): required fields, domains, reject reasons and the strict-mode error.
 
 Every keep/drop decision on an input row carries one of the reason codes below; rejected rows are written to
 ``rejected.jsonl`` with that code (default mode) or raised as :class:`DataValidationError` (strict mode).

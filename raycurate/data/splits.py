@@ -1,4 +1,4 @@
-"""Deterministic, disjoint splits from (id, seed) (SPEC §3).
+"""Deterministic, disjoint splits from (id, seed) (docs/data.md, "Splits").
 
 Each id maps to ``u = blake2b(f"{seed}:{id}") / 2**64`` in [0, 1); the split is the first name whose cumulative
 ratio (in the dict's order) exceeds ``u``.  The mapping depends on nothing but the id, the seed and the ratios,

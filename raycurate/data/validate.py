@@ -1,4 +1,4 @@
-"""Row validation for the corpus schema (SPEC §3): one verdict with a reason per input record.
+"""Row validation for the corpus schema (docs/data.md): one verdict with a reason per input record.
 
 Decisions:
 

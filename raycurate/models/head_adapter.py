@@ -1,4 +1,4 @@
-"""Sparse head adaptation as a head-delta adapter (P2D §3.2.3 "P2D‡"; SPEC §5).
+"""Sparse head adaptation as a head-delta adapter (P2D §3.2.3 "P2D‡"; docs/p2d.md).
 
 Only the weight slices of the selected heads train: per layer, the q_proj rows of its selected query heads, the
 k_proj / v_proj rows of their KV groups (deduplicated: two selected heads of one group share one k/v delta), and

@@ -1,4 +1,4 @@
-"""Which weights an attention head owns, and its flattened weight vector (P2D head identification, SPEC §5).
+"""Which weights an attention head owns, and its flattened weight vector (P2D head identification; docs/p2d.md).
 
 Geometry (Llama, Qwen2, Mistral, Gemma; ``head_dim`` may differ from ``hidden / n_heads``, as in Gemma): query head
 ``h`` of a layer owns rows ``[h * head_dim, (h + 1) * head_dim)`` of ``q_proj.weight`` (out, in) and columns of the

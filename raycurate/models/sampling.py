@@ -1,4 +1,5 @@
-"""Seeded temperature / nucleus sampling from a Hugging Face causal LM, with generation-time log-probs (BMO, SPEC §6).
+"""Seeded temperature / nucleus sampling from a Hugging Face causal LM, with generation-time log-probs (BMO;
+docs/bilevel.md).
 
 Decisions:
 

@@ -1,4 +1,4 @@
-"""Bilevel pipeline (SPEC §6): BDS data weights, BMO online regeneration and the example-level baselines.
+"""Bilevel pipeline (docs/bilevel.md): BDS data weights, BMO online regeneration and the example-level baselines.
 
 Stages after the shared data preparation:
 bilevel_validation_rows (the trusted upper level: the validation split, clean rows only on the embedded corpus) and

@@ -1,4 +1,4 @@
-"""BRIDGE pipeline (SPEC §4): coupled prompt-token / response-token selection, then compact SFT from theta_old.
+"""BRIDGE pipeline (docs/bridge.md): coupled prompt-token / response-token selection, then compact SFT from theta_old.
 
 Stages after the shared data preparation:
 bridge_{warmup,validation,pool}_rows -> bridge_warmup (SFT, theta_old -> theta_bar) -> bridge_direction (v) ->

@@ -1,5 +1,6 @@
-"""Composable curation (issue #16): ``pipeline: curate`` runs ``curate.steps`` in order, e.g. ``[dedup, bds,
-bridge]`` or ``[p2d, bridge]``, then one SFT on what they kept, and compares it with each step alone.
+"""Composable curation (docs/design.md, "Composable curation"): ``pipeline: curate`` runs ``curate.steps`` in
+order, e.g. ``[dedup, bds, bridge]`` or ``[p2d, bridge]``, then one SFT on what they kept, and compares it with each
+step alone.
 
 Design (docs/design.md, "Composable curation"):
 

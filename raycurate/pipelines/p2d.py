@@ -1,4 +1,4 @@
-"""P2D pipeline (SPEC §5): attention heads as the compass for example selection and sparse head adaptation.
+"""P2D pipeline (docs/p2d.md): attention heads as the compass for example selection and sparse head adaptation.
 
 Stages after the shared data preparation (the pool is the whole tokenized training table):
 p2d_proxy_rows (100 seeded examples) -> p2d_proxy (20 full-batch steps; skipped with p2d.task_model) ->

@@ -1,4 +1,4 @@
-"""``raycurate curate``: your own data in, a curated dataset out (SPEC §11, ``docs/design.md`` "Curating your own
+"""``raycurate curate``: your own data in, a curated dataset out (``docs/design.md``, "Curating your own
 data").
 
 ::

@@ -1,5 +1,5 @@
-"""Bilevel stages (SPEC §6): BDS / BMO training with the online generation hook, training tables for direct mixing
-and the selection baselines, the lower-level loss evaluation and the weight analysis (AUROC by label).
+"""Bilevel stages (docs/bilevel.md): BDS / BMO training with the online generation hook, training tables for direct
+mixing and the selection baselines, the lower-level loss evaluation and the weight analysis (AUROC by label).
 
 The BDS loop itself is :mod:`raycurate.stages.bilevel_train`; DSIR and LESS selections are
 :mod:`raycurate.stages.bilevel_select`; plain fine-tuning of the baselines reuses
@@ -386,7 +386,7 @@ def weight_analysis(run: RunDir, bds_stage_name: str, candidate_stage: str, top:
     ``label.corruption``, with counts), ``auroc_excluding_near_duplicate``, ``weights_by_label`` and
     ``auroc_neg_loss`` (AUROC of minus each row's latest omega loss: the loss-based score BDS can at best
     reproduce); and ``spearman_first_step``, Spearman(omega, the step each row was first sampled) -- near +-1
-    means omega records the sampling order instead of data quality (SPEC §6).
+    means omega records the sampling order instead of data quality (docs/bilevel.md, "The omega optimizer").
     """
     import numpy as np
     import pyarrow.parquet as pq

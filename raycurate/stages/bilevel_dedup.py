@@ -1,5 +1,5 @@
-"""Near-duplicate filter before BDS (issue 13, optional): word 3-gram MinHash with LSH banding, verified by the exact
-Jaccard similarity, signatures computed on Ray Data.
+"""Near-duplicate filter before BDS (optional; docs/bilevel.md): word 3-gram MinHash with LSH banding, verified by
+the exact Jaccard similarity, signatures computed on Ray Data.
 
 A candidate is a near-duplicate when its ``prompt + "\\n" + response`` shares a word 3-gram Jaccard similarity >=
 ``threshold`` with an EARLIER row: the validation rows come first (the trusted set; never flagged), then the

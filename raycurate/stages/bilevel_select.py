@@ -1,4 +1,4 @@
-"""Example-selection baselines of the bilevel pipeline (SPEC §6; bilevel paper B4 LESS, B5 DSIR).
+"""Example-selection baselines of the bilevel pipeline (bilevel paper B4 LESS, B5 DSIR; docs/bilevel.md).
 
 Both stages read a candidate token table and a validation token table, score every candidate against the
 validation set, keep ``k = round(fraction * N)`` of them (halves round up, at least 1) and write

@@ -10,7 +10,7 @@ Run it::
 
 The worker loop reuses the shared training machinery (:mod:`raycurate.training`: token tables, engines, sessions,
 the checkpoint writer, ``export_hf``, omega state and online responses) and the pure math of
-:mod:`raycurate.algorithms.bilevel`.  One optimizer step k (paper eq. 5; SPEC §6):
+:mod:`raycurate.algorithms.bilevel`.  One optimizer step k (paper eq. 5; docs/bilevel.md):
 
 1. Sample a validation batch (``val_batch`` rows) and a candidate batch (``cand_batch`` rows) with generators seeded
    by ``(seed, step)`` / ``(seed, epoch)`` -- the same global rows on every rank; rank r trains on the r-th equal
@@ -102,7 +102,7 @@ class BDSSettings:
     Attributes:
         omega_lr: Step size of the data logits (paper: Adam, 1e-4; SGD needs about cand_batch / gamma).
         omega_optimizer: One of :data:`raycurate.algorithms.bilevel.OMEGA_OPTIMIZERS`; ``"adam"`` is the paper's
-            dense Adam, which records the sampling order (SPEC §6).
+            dense Adam, which records the sampling order (docs/bilevel.md, "The omega optimizer").
         omega_baseline: Baseline of the sparse optimizers (:data:`raycurate.algorithms.bilevel.OMEGA_BASELINES`).
         omega_betas: Adam betas of the data logits.
         omega_eps: Adam eps of the data logits.

@@ -81,7 +81,7 @@ def compute_direction(theta_bar_dir: str, theta_old_dir: str, validation_tokens:
 
 def direction_stage(run: RunDir, *, warmup_stage: str, base_stage: str, validation_stage: str, bridge_cfg: BridgeConfig,
                     force: bool = False) -> dict:
-    """Scoring direction v (SPEC §4) as a Ray task; writes ``bridge_direction/direction.safetensors``."""
+    """Scoring direction v (docs/bridge.md) as a Ray task; writes ``bridge_direction/direction.safetensors``."""
     theta_bar = output_path(run, warmup_stage, "model")
     theta_old = output_path(run, base_stage, "model")
     validation = output_path(run, validation_stage, "tokens")

@@ -48,7 +48,8 @@ def compact_part(table: Any, prefix: str) -> tuple[Any, dict]:
 
 
 def compact_stage(run: RunDir, stage: str, *, selection_stage: str, mask_prefix: str, force: bool = False) -> dict:
-    """Physically compact kept prompt tokens and mask unselected response positions (SPEC §4 "Compact SFT")."""
+    """Physically compact kept prompt tokens and mask unselected response positions (BRIDGE's compact SFT;
+    docs/bridge.md)."""
     import pyarrow.parquet as pq
 
     record = run.stage_record(selection_stage) or {}
@@ -187,7 +188,7 @@ def row_token_losses(models: dict[str, Any], rows: list[dict], pad_id: int, *, w
 
 def loss_baseline_columns(method: str, base: Any, reference: Any, rows: list[dict], rho_p: float, rho_r: float,
                           pad_id: int) -> dict[str, list]:
-    """Masks of a loss-based token baseline (SPEC §7, paper App. B.2, D.1) for a batch of token rows.
+    """Masks of a loss-based token baseline (paper App. B.2, D.1; docs/bridge.md) for a batch of token rows.
 
     * ``rho1``: response tokens ranked by excess loss (base - reference) within each row, prompt intact, at the
       one-sided matched budget of App. B.2.  (``token_cleaning`` ranks the same score over the whole corpus:
@@ -295,7 +296,7 @@ def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stag
 
     config = {"method": method, "rho_p": bridge_cfg.rho_p, "rho_r": bridge_cfg.rho_r, "seed": bridge_cfg.seed}
     if method == "token_cleaning":
-        config["ranking"] = "corpus"  # its own global threshold (was per row until issue #26 item 3)
+        config["ranking"] = "corpus"  # its own global threshold (older runs ranked per row: a new hash)
     return run_stage(run, stage, body, config=config, upstream=[selection_stage, warmup_stage, base_stage],
                      force=force)
 

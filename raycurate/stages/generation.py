@@ -1,4 +1,5 @@
-"""Generation actors for BMO online self-refining (SPEC §6): G responses per masked question from the current policy.
+"""Generation actors for BMO online self-refining: G responses per masked question from the current policy
+(docs/bilevel.md).
 
 Two actors share one interface, ``generate(requests, *, adapter_dir, n, temperature, max_new_tokens, step, seed)``
 -> rows ``{question_id, sample, response_ids, token_logprobs, logprob, finished, step, policy}``:

@@ -185,7 +185,7 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
 
     Greedy decoding shows the model's single most likely answer, which a minority of bad training rows rarely
     changes; sampled answers show how often the model reproduces what it was taught, bad rows included
-    (the embedded benchmark's primary metric, SPEC §9).
+    (the embedded benchmark's primary metric; docs/design.md, "Evaluation").
 
     Args:
         model: Causal LM in eval mode.

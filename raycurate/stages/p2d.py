@@ -1,4 +1,4 @@
-"""P2D stages (SPEC §5): proxy sample, head scoring (Ray task), ICL probing (Ray Data actors), example selection,
+"""P2D stages (docs/p2d.md): proxy sample, head scoring (Ray task), ICL probing (Ray Data actors), example selection,
 data baselines (random, IFD) and the AER table.
 
 The proxy fine-tuning and the sparse head adaptation reuse :func:`raycurate.stages.model_stages.train_stage` (the

@@ -370,7 +370,7 @@ def launch_task(entry: WorkerEntry, loop_config: dict[str, Any], cfg: TrainConfi
     import ray
 
     # max_calls=1: the process exits after training; reused warm, it carried ~6.8 GB RSS of the real model's
-    # training heap into the evaluations that followed (#25), which helped Ray's memory monitor kill a later stage.
+    # training heap into the evaluations that followed, which helped Ray's memory monitor kill a later stage.
     task = ray.remote(max_calls=1)(task_worker).options(num_cpus=cpus, num_gpus=1 if use_gpu else 0,
                                                         max_retries=cfg.max_failures, retry_exceptions=True,
                                                         name=f"train:{name}")

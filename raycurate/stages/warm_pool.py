@@ -1,4 +1,4 @@
-"""Warm shard workers: actors that keep their process, imports and last model between sharded maps (issue #29).
+"""Warm shard workers: actors that keep their process, imports and last model between sharded maps.
 
 :func:`raycurate.stages.sharded.sharded_map` normally starts a pool of actors for one map and kills it at the end,
 so every map pays Python, torch and transformers imports plus one model load per actor (~2-4 s per actor on a

@@ -54,7 +54,7 @@ def save_merged(job: Any, state_dict: dict[str, Any], dest: str) -> None:
     to the weights it is added to, and a bf16 weight keeps 8 significant bits. Merged into SmolLM2-135M's bf16
     weights, one epoch of LoRA (lr 2e-4) lost 23-78% of each layer's update (relative norm). At that training
     length greedy answers barely moved (0.40 merged in bf16 vs 0.39 unmerged on 100 held-out questions,
-    benchmarks/RESULTS.md, #25), but nothing bounds the loss for longer or smaller-lr runs."""
+    benchmarks/RESULTS.md), but nothing bounds the loss for longer or smaller-lr runs."""
     import torch
 
     from raycurate.models.adapters import export_model, save_adapter

@@ -80,7 +80,7 @@ class CheckpointClock:
     """Wall-clock checkpoint cadence (``train.checkpoint_every_minutes``), on top of the step cadence.
 
     A one-epoch run checkpoints only at its end under the step cadence, so a run killed at step 30 of 62 restarted
-    from step 0 (#25).  Each rank reads its own clock; the loop sums :meth:`due_flag` over ranks with the step's
+    from step 0.  Each rank reads its own clock; the loop sums :meth:`due_flag` over ranks with the step's
     loss all-reduce, so every rank takes the same decision (a checkpoint is a collective save).
     """
 

@@ -1,4 +1,4 @@
-"""BRIDGE selection-level fidelity diagnostics (paper §5.4 Table 3, §3 Fig. 2(b), App. F.1, F.2; SPEC §4).
+"""BRIDGE selection-level fidelity diagnostics (paper §5.4 Table 3, §3 Fig. 2(b), App. F.1, F.2; docs/bridge.md).
 
 The generic rank and selection metrics live in :mod:`raycurate.algorithms.ranking`; this package holds the one
 diagnostic built on them, split where its parts meet: :mod:`.eligible` (the eligible- and fixed-position

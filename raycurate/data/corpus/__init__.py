@@ -1,4 +1,5 @@
-"""The embedded benchmark corpus (SPEC §9): generated SFT data with ground truth on every row.
+"""The embedded benchmark corpus: generated SFT data with ground truth on every row (docs/design.md, "The proving
+ground").
 
 One seeded generator, split by concern. Every row is drawn from a few ``random.Random`` streams in a fixed
 order, so the modules move code, never draws: a change in draw order would silently change the corpus that the

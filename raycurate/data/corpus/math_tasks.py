@@ -279,7 +279,7 @@ def _boxes_then_eats(rng: random.Random, p: _Person) -> MathProblem:
 
 
 # One- and two-step problems with small numbers: a ~1M-parameter model can learn them in the demo's SFT budget,
-# so corrupted training data measurably changes what it answers (the oracle gap, SPEC §9).
+# so corrupted training data measurably changes what it answers (the oracle gap; docs/design.md, "The proving ground").
 _MATH_TEMPLATES: tuple[Callable[[random.Random, _Person], MathProblem], ...] = (
     _lookup, _gets_more, _gives_away, _boxes, _gets_then_gives, _boxes_then_eats,
 )
