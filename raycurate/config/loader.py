@@ -350,3 +350,88 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
             help_text += f" (one of {list(f.metadata['choices'])})"
         rows.append((key, _type_name(tp), default, help_text))
     return rows
+
+
+def _yaml_flow(value: Any) -> str:
+    """A default as it would be written in a job file or an override (``null``, ``true``, ``[bds, bridge]``)."""
+    if isinstance(value, float):
+        return repr(value)  # 2e-05, not YAML's 2.0e-05
+    text = yaml.safe_dump(to_dict(value), default_flow_style=True, width=10_000, sort_keys=False).strip()
+    return text.removesuffix("...").strip()
+
+
+def _allowed(meta: dict) -> str:
+    """What a field allows beyond its type: its choices or number range (empty when anything of its type goes)."""
+    if meta.get("choices"):
+        return "one of " + ", ".join(_yaml_flow(c) for c in meta["choices"])
+    bounds = meta.get("bounds") or {}
+    ops = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    return " and ".join(f"{ops[name]} {bounds[name]:g}" for name in ops if name in bounds)
+
+
+def config_sections(cls: type) -> dict[str, str]:
+    """``{section: its description}`` of the top-level sections of a config dataclass, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)
+            if dataclasses.is_dataclass(hints[f.name])}
+
+
+def config_help(cls: type, section: str | None = None, width: int = 100) -> str:
+    """Readable text listing the keys of ``cls`` (the job config): each with its type, default, allowed values and
+    description, grouped under their sections.
+
+    Args:
+        section: A section (``curate``), a nested one (``eval.pool``) or one key (``train.lr``); None lists all.
+        width: Line width the descriptions are wrapped to.
+
+    Raises:
+        UserError: ``section`` is no section or key of ``cls`` (the message lists the sections).
+    """
+    import textwrap
+
+    sections = config_sections(cls)
+    keys = all_keys(cls)
+    if section is not None and section not in keys:
+        close = difflib.get_close_matches(section, keys, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UserError(f"--help-config: {section!r} is no config section or key{hint}; sections: "
+                        f"{', '.join(sections)}")
+    hints_of: dict[str, Any] = {}
+
+    def fields(owner: type, prefix: str) -> list[tuple[str, Any, dataclasses.Field]]:
+        """The leaf keys of ``owner``: its own first, then each nested section's (one heading per section)."""
+        rows, nested = [], []
+        owner_hints = typing.get_type_hints(owner)
+        for f in dataclasses.fields(owner):
+            tp = owner_hints[f.name]
+            key = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(tp):
+                hints_of[key] = f.metadata.get("help", "")
+                nested.extend(fields(tp, key + "."))
+            else:
+                rows.append((key, tp, f))
+        return rows + nested
+
+    def wrap(text: str, indent: str) -> list[str]:
+        return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent) if text else []
+
+    lines: list[str] = []
+    if section is None:
+        lines += wrap("Every key of a job file. Set one in the YAML (section: {key: value}) or on the command line "
+                      "as section.key=value, e.g. train.lr=1e-4; `--help-config SECTION` shows one section: "
+                      f"{', '.join(sections)}.", "")
+    current = None
+    for key, tp, f in fields(cls, ""):
+        if section is not None and key != section and not key.startswith(section + "."):
+            continue
+        group = key.rsplit(".", 1)[0] if "." in key else ""
+        if group != current:
+            current = group
+            lines.append("")
+            lines += wrap(f"{group}: {hints_of.get(group, '')}" if group else "Top level:", "")
+        allowed = _allowed(f.metadata)
+        type_name = _type_name(tp).replace(" | NoneType", " or null").replace(" | ", " or ")
+        lines.append(f"  {key}  ({type_name}, default {_yaml_flow(_default_of(f))}"
+                     f"{'; ' + allowed if allowed else ''})")
+        lines += wrap(f.metadata.get("help", ""), "      ")
+    return "\n".join(lines).lstrip("\n") + "\n"
