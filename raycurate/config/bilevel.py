@@ -55,9 +55,9 @@ class BilevelConfig:
         100.0, "Step size of omega. The omega gradient is O(gamma/B * loss spread) (B = candidates per step), so "
         "SGD needs about B/gamma for O(1) logit moves per epoch; Adam steps are ~lr per sighting (paper: Adam 1e-4).",
         gt=0)
-    rho0: float = option(0.1, "rho of the first epoch; gamma_k = rho_k / (1 - rho_k).", ge=0, lt=1)
+    rho0: float = option(0.1, "rho of the first epoch; gamma_k = rho_k / (1 - rho_k), so 0 < rho < 1.", gt=0, lt=1)
     rho_step: float = option(0.1, "rho added after every epoch.", ge=0)
-    rho_max: float = option(0.9, "Cap on rho.", ge=0, lt=1)
+    rho_max: float = option(0.9, "Cap on rho (0 < rho_max < 1).", gt=0, lt=1)
     variant: str = option("exact", "omega sees candidate losses at theta^{k+1} (exact, eq. 5b) or at theta^k "
                           "(detached, BIPOST's cheaper form).", choices=("exact", "detached"))
     val_batch: int | None = option(None, "Validation rows per step (null: half of train.effective_batch_size).",

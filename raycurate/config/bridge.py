@@ -75,3 +75,10 @@ class BridgeConfig:
         items=BRIDGE_BASELINES,
     )
     seed: int = option(0, "Seed of the random baseline and the diagnostics sample.")
+
+    def config_problems(self) -> list[str]:
+        """Settings BRIDGE's selection rejects when it starts (checked before anything runs)."""
+        if self.row_floor > self.rho_r:
+            return [f"bridge.row_floor: {self.row_floor} is above bridge.rho_r={self.rho_r} (it is the share of every "
+                    "row supervised before the corpus-wide allocation); set it to at most rho_r"]
+        return []

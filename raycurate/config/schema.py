@@ -18,6 +18,10 @@ from raycurate.config.pool import ActorPoolConfig
 from raycurate.config.train import TrainConfig
 
 PIPELINES = ("demo", "sft", "bridge", "p2d", "bilevel", "curate", "proving_ground")
+#: lm-eval tasks (name prefixes) that execute model-written code.
+CODE_TASKS = ("humaneval", "mbpp")
+#: The lm-eval tasks raycurate writes over the embedded corpus's held-out questions.
+LOCAL_LM_EVAL_TASKS = ("raycurate_heldout_em", "raycurate_heldout_gold_ll")
 DEMO_METHODS = ("base", "sft", "bridge", "p2d", "bilevel")  # base: the base model's evaluation, which always runs
 BRIDGE_SPLITS = ("warmup", "validation", "selection")
 
@@ -193,6 +197,67 @@ class JobConfig:
             if split not in splits:
                 problems.append(f"{key}: pipeline {self.pipeline!r} needs a split named {split!r}, but "
                                 f"data.split_ratios has only {sorted(splits)}; add it (a 0.0 share is allowed)")
+        return problems + self.bds_batch_problems() + self.p2d_problems() + self.eval_problems()
+
+    def trains_bds(self) -> bool:
+        """Whether this job trains BDS weights: bilevel's bds / online methods, or curate's bds step."""
+        pipeline = self.proving_ground.pipeline if self.pipeline == "proving_ground" else self.pipeline
+        if pipeline == "curate":
+            return "bds" in self.curate.steps
+        return self.runs("bilevel") and bool({"bds", "online"} & set(self.bilevel.methods))
+
+    def bds_batch_problems(self) -> list[str]:
+        """BDS splits every effective batch into bilevel.val_batch validation rows and the rest candidates, each
+        split evenly over the workers (what the Ray Train workers check when they start)."""
+        if not self.trains_bds():
+            return []
+        batch, workers = self.train.effective_batch_size, self.train.num_workers
+        val = self.bilevel.val_batch if self.bilevel.val_batch is not None else batch // 2
+        cand = batch - val
+        default = " (bilevel.val_batch is null: half the batch)" if self.bilevel.val_batch is None else ""
+        if cand < 1:
+            return [f"bilevel.val_batch: {val} leaves no candidate rows in train.effective_batch_size={batch}; set it "
+                    f"below {batch}, e.g. {batch // 2}"]
+        if cand < 2 and self.bilevel.omega_optimizer.startswith("sparse_"):
+            return [f"bilevel.val_batch: {val} leaves 1 candidate row per step of train.effective_batch_size={batch}, "
+                    f"and omega_optimizer={self.bilevel.omega_optimizer} compares each candidate with the others of "
+                    "its batch; lower bilevel.val_batch or raise train.effective_batch_size"]
+        if val % workers or cand % workers:
+            return [f"bilevel.val_batch: {val} validation + {cand} candidate rows per step{default} must each be a "
+                    f"multiple of train.num_workers={workers} (every worker takes an equal share); set "
+                    f"bilevel.val_batch to a multiple of {workers}, or train.effective_batch_size to a multiple of "
+                    f"{2 * workers}"]
+        return []
+
+    def p2d_problems(self) -> list[str]:
+        """The proxy's full-batch fine-tuning splits p2d.proxy_examples evenly over the workers."""
+        rows, workers = self.p2d.proxy_examples, self.train.num_workers
+        if not self.runs("p2d") or self.p2d.task_model or rows % workers == 0:
+            return []
+        return [f"p2d.proxy_examples: {rows} is not a multiple of train.num_workers={workers} (each full-batch proxy "
+                f"step splits them evenly over the workers); use {rows - rows % workers or workers}"]
+
+    def eval_problems(self) -> list[str]:
+        """Questions the evaluations need: the embedded corpus evaluates every trained model on eval.split, and the
+        local lm-eval tasks read its held-out set."""
+        problems = []
+        own_data = bool(self.data.input_paths())
+        if self.eval.split == "validation" and (own_data or not self.data.validation_questions):
+            problems.append("eval.split: validation questions exist only on the embedded corpus, with "
+                            "data.validation_questions > 0; set data.validation_questions=200 (embedded corpus) or "
+                            "eval.split=heldout")
+        elif self.eval.split == "heldout" and not own_data and not self.data.heldout_rows:
+            problems.append("data.heldout_rows: 0 leaves no held-out questions to evaluate the trained models on; "
+                            "set it above 0 (default 200)")
+        local = [t for t in self.eval.lm_eval_tasks if t in LOCAL_LM_EVAL_TASKS]
+        if local and (own_data or not self.data.heldout_rows):
+            problems.append(f"eval.lm_eval_tasks: {local} run over the embedded corpus's held-out questions, which "
+                            "this job does not have (data.input set, or data.heldout_rows=0); use named harness "
+                            "tasks such as arc_challenge,hellaswag,mmlu")
+        code = [t for t in self.eval.lm_eval_tasks if t.startswith(CODE_TASKS)]
+        if code and not self.eval.lm_eval_allow_code_execution:
+            problems.append(f"eval.lm_eval_tasks: {code} run model-written code; set "
+                            "eval.lm_eval_allow_code_execution=true (on an isolated machine) or drop them")
         return problems
 
     def methods_needing_trusted(self) -> list[str]:

@@ -36,10 +36,10 @@ class SchedulerConfig:
     """Early stopping: none, or ASHA over rungs of extra training steps of the final models."""
 
     type: str = option("none", "Trial scheduler.", choices=("none", "asha"))
-    rungs: int = option(3, "ASHA: evaluations per trial; rung k trains k * rung_steps optimizer steps.")
-    rung_steps: int = option(20, "ASHA: optimizer steps of the final training per rung (train.max_steps).")
-    grace_period: int = option(1, "ASHA: rungs every trial gets before it can be stopped.")
-    reduction_factor: float = option(2.0, "ASHA: keep 1/reduction_factor of the trials at each rung.")
+    rungs: int = option(3, "ASHA: evaluations per trial; rung k trains k * rung_steps optimizer steps.", ge=1)
+    rung_steps: int = option(20, "ASHA: optimizer steps of the final training per rung (train.max_steps).", ge=1)
+    grace_period: int = option(1, "ASHA: rungs every trial gets before it can be stopped.", ge=1)
+    reduction_factor: float = option(2.0, "ASHA: keep 1/reduction_factor of the trials at each rung.", gt=1)
 
 
 @dataclasses.dataclass
@@ -53,12 +53,13 @@ class SweepConfig:
                          "(never results.heldout: sweeps choose on the validation questions).")
     mode: str = option("min", "Minimise or maximise the metric.", choices=("min", "max"))
     search: str = option("grid", "Grid search over the grid values, or random sampling.", choices=("grid", "random"))
-    num_samples: int = option(1, "Random search: trials; grid search: repeats of the whole grid.")
+    num_samples: int = option(1, "Random search: trials; grid search: repeats of the whole grid.", ge=1)
     seed: int = option(0, "Seed of the random search.")
     params: dict[str, dict] = option(
         {}, "Config key -> {grid|choice: [...]} or {uniform|loguniform|randint: [lo, hi]}.")
     scheduler: SchedulerConfig = option(SchedulerConfig(), "Early stopping.")
-    trial_cpus: float = option(0.01, "CPU reservation of each trial's driver process (its stages reserve their own).")
+    trial_cpus: float = option(0.01, "CPU reservation of each trial's driver process (its stages reserve their own).",
+                               ge=0)
 
 
 def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepConfig:

@@ -127,6 +127,9 @@ class TrainConfig:
     def config_problems(self) -> list[str]:
         """Batch arithmetic and engine options that only work together."""
         problems = self.launcher_problems()
+        if self.adapter == "lora" and not self.lora_targets:
+            problems.append("train.lora_targets: empty, so LoRA would wrap no layer; list module names, e.g. "
+                            "[q_proj, k_proj, v_proj, o_proj]")
         per_pass = self.micro_batch_size * self.num_workers
         if self.effective_batch_size % per_pass:
             problems.append(

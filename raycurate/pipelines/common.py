@@ -42,7 +42,52 @@ def check_job_inputs(cfg: JobConfig) -> None:
     check_model_source(cfg.model.name_or_path)
     if cfg.runs("p2d") and cfg.p2d.task_model:
         check_model_source(cfg.p2d.task_model, key="p2d.task_model")
+    check_model_settings(cfg)
     check_split_sizes(cfg)
+
+
+def check_model_settings(cfg: JobConfig) -> None:
+    """Fail before any stage runs on settings the base model rules out, which would otherwise fail inside a Ray
+    task or a training worker: BRIDGE's ``last_layers`` / ``routing_layer`` beyond its layers, LoRA target modules
+    it does not have, and the vLLM generation backend where vLLM is not installed.
+
+    Raises:
+        ConfigError: One line per setting, naming the key, the model and the values that work.
+    """
+    import importlib.util
+
+    from raycurate.config.loader import ConfigError
+    from raycurate.models.shape import matches_module, model_settings, module_names
+
+    name = cfg.model.name_or_path
+    problems = []
+    if cfg.runs("bridge"):
+        layers = model_settings(name).get("num_hidden_layers")
+        if isinstance(layers, int) and cfg.bridge.last_layers > layers:
+            problems.append(f"bridge.last_layers: {cfg.bridge.last_layers} is more than the {layers} layers of "
+                            f"model {name}; set bridge.last_layers={layers} or less")
+        routing = cfg.bridge.routing_layer
+        if isinstance(layers, int) and routing is not None and routing >= layers:
+            problems.append(f"bridge.routing_layer: model {name} has layers 0-{layers - 1}, not {routing}; set it "
+                            "below that, or null (its last full-attention layer)")
+    if cfg.train.adapter == "lora":
+        try:
+            names = module_names(name)
+        except Exception as exc:  # an architecture transformers cannot build on the meta device: PEFT will say
+            log.debug("LoRA targets not checked: %s", exc)
+        else:
+            missing = [t for t in cfg.train.lora_targets if not matches_module(t, names)]
+            if missing:
+                known = sorted({module.rsplit(".", 1)[-1] for module, kind in names.items() if kind == "Linear"})
+                problems.append(f"train.lora_targets: {missing} name no module of model {name}; choose among "
+                                f"{', '.join(known)}")
+    pipeline = cfg.proving_ground.pipeline if cfg.pipeline == "proving_ground" else cfg.pipeline
+    online = pipeline != "curate" and cfg.runs("bilevel") and "online" in cfg.bilevel.methods
+    if online and cfg.bilevel.generation_backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        problems.append("bilevel.generation_backend: vllm is not installed here; install it, or use "
+                        "bilevel.generation_backend=hf (or auto)")
+    if problems:
+        raise ConfigError(f"the job config (model {name})", problems)
 
 
 EXACT_SPLIT_CHECK_ROWS = 20_000  # embedded corpora up to this size are generated to count their split exactly

@@ -33,17 +33,17 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from raycurate.config.schema import CODE_TASKS, LOCAL_LM_EVAL_TASKS
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
 
 log = logging.getLogger("raycurate")
 
-EXACT_MATCH_TASK = "raycurate_heldout_em"
-GOLD_LOGLIK_TASK = "raycurate_heldout_gold_ll"
+EXACT_MATCH_TASK, GOLD_LOGLIK_TASK = LOCAL_LM_EVAL_TASKS
 LOCAL_TASKS = (EXACT_MATCH_TASK, GOLD_LOGLIK_TASK)
 HELDOUT_FILE = "heldout.jsonl"
 PAPER_TASKS = ("arc_challenge", "hellaswag", "mmlu", "humaneval", "gsm8k", "minerva_math", "ifeval")
-_CODE_TASKS = ("humaneval", "mbpp")  # tasks that execute model-written code
+_CODE_TASKS = CODE_TASKS  # tasks that execute model-written code (the job config checks them too)
 
 _UTILS_PY = '''"""lm-eval hooks for the raycurate held-out tasks (written by raycurate.stages.lm_eval)."""
 
