@@ -259,3 +259,31 @@ def test_a_step_with_a_minimum_score_keeps_the_rows_scoring_at_least_it():
     assert apply_step(["a", "b", "c"], step, keep_fraction=0.1, seed=0) == ["a", "c"]  # keep_fraction unused
     with pytest.raises(ValueError, match="min_score needs scores"):
         Step("dedup", dropped=frozenset(), min_score=0.0)
+
+
+def test_matched_train_steps_give_a_subset_the_whole_pools_optimizer_steps(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raycurate.config.curate import CurateConfig
+    from raycurate.config.schema import JobConfig
+    from raycurate.config.train import TrainConfig
+    from raycurate.pipelines.curate import subset_train_config
+    from raycurate.rundir import RunDir
+    from raycurate.stages.base import StageOutput, run_stage
+
+    def table(n):
+        def body(out):
+            (out / "tokens").mkdir()
+            pq.write_table(pa.table({"id": [f"r{i:03d}" for i in range(n)]}), out / "tokens" / "part-00000.parquet")
+            return StageOutput(outputs={"tokens": "tokens"})
+        return body
+
+    run = RunDir(tmp_path / "run")
+    run_stage(run, "curate_pool_rows", table(883), config={})
+    run_stage(run, "kept", table(401), config={})
+    train = TrainConfig(epochs=1, effective_batch_size=8)
+    cfg = JobConfig(train=train, curate=CurateConfig(train_steps="matched"))
+    matched = subset_train_config(run, cfg, "kept")
+    assert (matched.epochs, matched.max_steps) == (3, 110)  # 883 // 8 = 110 steps; 401 // 8 = 50 per epoch
+    assert subset_train_config(run, JobConfig(train=train), "kept") is train

@@ -13,6 +13,15 @@ RANKING_STEPS = ("reference", "bds", "p2d")
 TOKEN_STEPS = ("mask", "bridge")
 #: The split every step curates (BRIDGE's selection split and the bilevel candidate pool).
 POOL_SPLIT = "selection"
+#: What each step does, in plain words (the CLI's help and the report use them).
+STEP_HELP = {
+    "dedup": "drop near-duplicate rows",
+    "reference": "keep the rows a LoRA reference, fine-tuned on the trusted rows, finds least surprising",
+    "bds": "keep the top rows by their learned BDS weight (bilevel data selection)",
+    "p2d": "keep the top rows by P2D's score (how much each row helps as an in-context example)",
+    "mask": "token-level: drop the loss of the response tokens the reference finds most surprising",
+    "bridge": "token-level: BRIDGE token selection (train on the prompt and response tokens that help most)",
+}
 
 
 def steps_problems(steps: list[str]) -> list[str]:
@@ -85,6 +94,11 @@ class CurateConfig:
     compare: bool = option(
         True, "Also train and evaluate, at the composition's response-token budget T, each single step alone over "
         "the full pool and seeded random rows, with paired bootstrap CIs of composition minus each.")
+    train_steps: str = option(
+        "epochs", "How long a kept subset trains: epochs (train.epochs passes over its rows, so fewer steps than "
+        "the whole pool) or matched (as many optimizer steps as train.epochs over the whole pool: more passes over "
+        "fewer rows, the same compute as SFT on every row). Applies to the composition, the single-step and random "
+        "arms and the clean reference; SFT on all rows defines the count.", choices=("epochs", "matched"))
     arms: list[str] | None = option(
         None, "With compare: the matched-budget arms to train, among the steps and random (null: every step of a "
         "composition of two or more, and random).")

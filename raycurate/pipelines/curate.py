@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from raycurate.algorithms.composition import Step
     from raycurate.config.schema import JobConfig
+    from raycurate.config.train import TrainConfig
     from raycurate.rundir import RunDir
 
 log = logging.getLogger("raycurate")
@@ -252,6 +253,22 @@ def matched_bridge(run: RunDir, cfg: JobConfig, pool: list[str], budget: int) ->
     return "curate_bridge_rows", {**record["metrics"], "rho_r": rho_r}
 
 
+def subset_train_config(run: RunDir, cfg: JobConfig, tokens_stage: str) -> TrainConfig:
+    """``train`` for a subset of the pool: as it is (``curate.train_steps: epochs``), or (``matched``) with as many
+    optimizer steps as ``train.epochs`` over the whole pool: ``max_steps`` that count and enough epochs to reach it.
+    """
+    if cfg.curate.train_steps == "epochs":
+        return cfg.train
+    import math
+
+    from raycurate.stages.rows import token_ids
+    from raycurate.training.order import steps_per_epoch, total_steps
+
+    pool_steps = total_steps(len(token_ids(run, "curate_pool_rows")), cfg.train)
+    per_epoch = steps_per_epoch(len(token_ids(run, tokens_stage)), cfg.train.effective_batch_size)
+    return dataclasses.replace(cfg.train, epochs=math.ceil(pool_steps / per_epoch), max_steps=pool_steps)
+
+
 def reference_models(run: RunDir, cfg: JobConfig) -> dict[str, dict]:
     """Evaluate the base model and train + evaluate ``mixed`` (the whole pool) and ``clean`` (its clean rows).
 
@@ -269,7 +286,8 @@ def reference_models(run: RunDir, cfg: JobConfig) -> dict[str, dict]:
     heldout = {}
     for model, tokens in (("base", None), ("mixed", "curate_pool_rows"), ("clean", "curate_clean_rows")):
         if tokens:
-            train_stage(run, f"train_{model}", tokens_stage=tokens, init_stage="base_model", train_cfg=cfg.train)
+            train_cfg = cfg.train if model == "mixed" else subset_train_config(run, cfg, tokens)
+            train_stage(run, f"train_{model}", tokens_stage=tokens, init_stage="base_model", train_cfg=train_cfg)
         heldout[model] = evaluate_stage(run, f"eval_{model}", model_stage=f"train_{model}" if tokens else "base_model",
                                         heldout_stage="corpus", eval_cfg=cfg.eval,
                                         max_length=cfg.data.max_length,
@@ -350,7 +368,8 @@ def run_curate(cfg: JobConfig) -> dict:
     heldout, described = {}, {}
     for arm, (rows_stage, m) in arms.items():
         model = COMPOSITION_MODEL if arm == COMPOSITION else f"{COMPOSITION_MODEL}_{arm}"
-        train_stage(run, f"train_{model}", tokens_stage=rows_stage, init_stage="base_model", train_cfg=cfg.train)
+        train_stage(run, f"train_{model}", tokens_stage=rows_stage, init_stage="base_model",
+                    train_cfg=subset_train_config(run, cfg, rows_stage))
         if evaluate:
             heldout[model] = evaluate_stage(run, f"eval_{model}", model_stage=f"train_{model}",
                                             heldout_stage="corpus", eval_cfg=cfg.eval,
