@@ -22,7 +22,8 @@ PIPELINES = ("demo", "sft", "bridge", "p2d", "bilevel", "curate", "proving_groun
 CODE_TASKS = ("humaneval", "mbpp")
 #: The lm-eval tasks raycurate writes over the embedded corpus's held-out questions.
 LOCAL_LM_EVAL_TASKS = ("raycurate_heldout_em", "raycurate_heldout_gold_ll")
-DEMO_METHODS = ("base", "sft", "bridge", "p2d", "bilevel")  # base: the base model's evaluation, which always runs
+#: base is the base model's evaluation, which always runs.
+DEMO_METHODS = ("base", "sft", "curate", "bridge", "p2d", "bilevel")
 BRIDGE_SPLITS = ("warmup", "validation", "selection")
 
 
@@ -95,10 +96,12 @@ def _repeated(key: str, values: list) -> list[str]:
 class DemoConfig:
     """What ``raycurate demo`` runs after the shared data preparation."""
 
-    methods: list[str] = option(["sft", "bridge", "p2d", "bilevel"], "Pipelines the demo runs and compares: sft "
-                                "(mixed vs clean SFT), bridge (BRIDGE + token baselines), p2d (head-guided selection "
-                                "+ sparse heads), bilevel (BDS weights, BMO regeneration, example-level baselines); "
-                                "[base] alone evaluates only the base model.", items=DEMO_METHODS)
+    methods: list[str] = option(["sft", "curate", "bridge", "p2d", "bilevel"], "Pipelines the demo runs and "
+                                "compares: sft (mixed vs clean SFT), curate (curate.steps toward the trusted set, vs "
+                                "random rows at its token budget), bridge (BRIDGE + token baselines), p2d "
+                                "(head-guided selection + sparse heads), bilevel (BDS weights, BMO regeneration, "
+                                "example-level baselines); [base] alone evaluates only the base model.",
+                                items=DEMO_METHODS)
 
     def config_problems(self) -> list[str]:
         """An empty or repeated method list (checked before anything runs)."""
@@ -265,9 +268,12 @@ class JobConfig:
         and DSIR: the bilevel pipeline, or curate's bds step) or by construction (curate's reference and mask steps);
         BRIDGE and P2D fall back to pool rows as theirs do."""
         pipeline = self.proving_ground.pipeline if self.pipeline == "proving_ground" else self.pipeline
-        if pipeline == "curate":
-            return [f"the {s} step" for s in self.curate.steps if s in ("reference", "bds", "mask")]
-        return ["bilevel (BDS, BMO, LESS, DSIR)"] if self.runs("bilevel") else []
+        needs = []
+        if pipeline == "curate" or (pipeline == "demo" and "curate" in self.demo.methods):
+            needs = [f"the {s} step" for s in self.curate.steps if s in ("reference", "bds", "mask")]
+        if pipeline != "curate" and self.runs("bilevel"):
+            needs.append("bilevel (BDS, BMO, LESS, DSIR)")
+        return needs
 
     def curate_problems(self) -> list[str]:
         """What pipeline curate needs of the other sections: every step curates the same pool (the selection

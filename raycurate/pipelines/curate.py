@@ -348,23 +348,26 @@ def compose_pool(run: RunDir, cfg: JobConfig) -> Composition:
     return Composition(pool=pool, steps=steps, step_info=step_info, kept=kept, table=table, composed=composed)
 
 
-def run_curate(cfg: JobConfig) -> dict:
-    """``pipeline: curate``: the steps, one SFT on the composed table, the matched-budget arms; returns the
-    final manifest (``results.composition``)."""
-    from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout, write_report
-    from raycurate.report.composition import COMPOSITION, score_arms
+def train_arms(run: RunDir, cfg: JobConfig, composition: Composition, *, evaluate: bool,
+               arms_only: list[str] | None = None) -> tuple[dict[str, dict], dict[str, dict], int]:
+    """Train (and with ``evaluate`` evaluate) the composition and, with ``curate.compare``, its matched-budget arms.
+
+    Args:
+        arms_only: Train only these matched arms (e.g. ``["random"]``) whatever ``curate.arms`` says; None: those.
+
+    Returns:
+        ``({model: held-out metrics}, {arm: description}, the composition's response-token budget T)``.
+    """
+    from raycurate.report.composition import COMPOSITION
     from raycurate.stages.model_stages import evaluate_stage, train_stage
 
-    curate = cfg.curate
-    run = open_run(cfg)
-    records = prepare_data(run, cfg)
-    composition = compose_pool(run, cfg)
-    pool, steps, composed = composition.pool, composition.steps, composition.composed
+    composed = composition.composed
     budget = int(composed["metrics"]["response_tokens"])
     arms = {COMPOSITION: ("curate_rows", composed["metrics"])}
-    if curate.compare:
-        arms.update(matched_arms(run, cfg, pool, steps, budget))
-    evaluate = "corpus" in records
+    if cfg.curate.compare or arms_only:
+        arm_cfg = cfg if arms_only is None else dataclasses.replace(
+            cfg, curate=dataclasses.replace(cfg.curate, arms=arms_only))
+        arms.update(matched_arms(run, arm_cfg, composition.pool, composition.steps, budget))
     heldout, described = {}, {}
     for arm, (rows_stage, m) in arms.items():
         model = COMPOSITION_MODEL if arm == COMPOSITION else f"{COMPOSITION_MODEL}_{arm}"
@@ -378,17 +381,50 @@ def run_curate(cfg: JobConfig) -> dict:
         described[arm] = {"model": model, "rows": m["rows"], "response_tokens": m["response_tokens"],
                           "token_ratio": m["response_tokens"] / max(budget, 1), "prompt_tokens": m["prompt_tokens"],
                           "clean_share": m.get("clean_share"), **({"rho_r": m["rho_r"]} if "rho_r" in m else {})}
-    if evaluate and curate.compare:
+    return heldout, described, budget
+
+
+def record_composition(run: RunDir, cfg: JobConfig, composition: Composition, described: dict[str, dict],
+                       budget: int) -> dict:
+    """Store the composition block (steps, arms, paired CIs of composition minus each arm) as
+    ``results.composition``; returns it."""
+    from raycurate.report.composition import score_arms
+
+    curate = cfg.curate
+    scored = score_arms(run.root, run.load_manifest(), described)
+    block = {"steps": list(curate.steps), "keep_fraction": curate.keep_fraction, "bds_mode": curate.bds_mode,
+             "seed": curate.seed, "pool_rows": len(composition.pool), "budget_tokens": budget,
+             "step_info": composition.step_info, "arms": described, **scored}
+    results = run.load_manifest().get("results") or {}
+    run.update_manifest(results={**results, "composition": block})
+    return block
+
+
+def run_curate(cfg: JobConfig) -> dict:
+    """``pipeline: curate``: the steps, one SFT on the composed table, the matched-budget arms; returns the
+    final manifest (``results.composition``)."""
+    from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout, write_report
+
+    run = open_run(cfg)
+    records = prepare_data(run, cfg)
+    composition = compose_pool(run, cfg)
+    evaluate = "corpus" in records
+    heldout, described, budget = train_arms(run, cfg, composition, evaluate=evaluate)
+    if evaluate and cfg.curate.compare:
         heldout.update(reference_models(run, cfg))
     if heldout:
         record_heldout(run, heldout, cfg.eval.split)
-    scored = score_arms(run.root, run.load_manifest(), described)
-    block = {"steps": list(curate.steps), "keep_fraction": curate.keep_fraction, "bds_mode": curate.bds_mode,
-             "seed": curate.seed, "pool_rows": len(pool), "budget_tokens": budget, "step_info": composition.step_info,
-             "arms": described, **scored}
-    results = run.load_manifest().get("results") or {}
-    run.update_manifest(results={**results, "composition": block})
+    record_composition(run, cfg, composition, described, budget)
     lm_eval_models(run, cfg, {name.removeprefix("train_"): name for name in run.load_manifest()["stages"]
                               if name.startswith(f"train_{COMPOSITION_MODEL}")})
     log.info("report: %s", write_report(run))
     return run.load_manifest()
+
+
+def run_curate_in_demo(run: RunDir, cfg: JobConfig, *, evaluate: bool) -> dict[str, dict]:
+    """The demo's curate arm: the composition and seeded random rows at its response-token budget (SFT on all
+    rows and on the clean rows are the demo's own ``mixed`` / ``clean``); returns ``{model: held-out metrics}``."""
+    composition = compose_pool(run, cfg)
+    heldout, described, budget = train_arms(run, cfg, composition, evaluate=evaluate, arms_only=["random"])
+    record_composition(run, cfg, composition, described, budget)
+    return heldout

@@ -15,7 +15,7 @@ from raycurate.report.curation import record_curation
 
 log = logging.getLogger("raycurate")
 
-LM_EVAL_MODELS = ("base", "mixed", "clean", "bridge", "p2d", "bilevel_bds", "bilevel_online")
+LM_EVAL_MODELS = ("base", "mixed", "clean", "curate", "bridge", "p2d", "bilevel_bds", "bilevel_online")
 
 
 def clean_rows(table: Any) -> Any:
@@ -60,6 +60,10 @@ def run_demo(cfg: JobConfig) -> dict:
 
         full_sft = "train_mixed" if "sft" in cfg.demo.methods else None
         results.update(run_p2d_stages(run, cfg, evaluate=True, full_sft_stage=full_sft))
+    if "curate" in cfg.demo.methods:
+        from raycurate.pipelines.curate import run_curate_in_demo
+
+        results.update(run_curate_in_demo(run, cfg, evaluate=True))
     if "bilevel" in cfg.demo.methods:
         from raycurate.pipelines.bilevel import run_bilevel_stages
 

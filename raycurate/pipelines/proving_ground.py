@@ -60,7 +60,7 @@ def _comparisons(scores: dict[str, Any]) -> dict[str, tuple[str, str]]:
     pairs.update({f"{model} vs base": (model, "base") for model in scores if model != "base"})
     for spec in METHODS:
         pairs[f"{spec.model} vs mixed"] = (spec.model, "mixed")
-        if spec.baseline:
+        if spec.baseline and spec.model != COMPOSITION_MODEL:  # the composition's arms are named below
             pairs[f"{spec.model} vs {spec.baseline}"] = (spec.model, spec.baseline)
     pairs.update({f"bridge vs {name}": ("bridge", name) for name in TOKEN_BASELINES})  # same token budgets
     for model in scores:  # pipeline curate: the composition minus each arm at the matched token budget

@@ -47,6 +47,8 @@ class MethodSpec:
 
 
 METHODS: tuple[MethodSpec, ...] = (
+    MethodSpec("curate", "Curation (curate.steps toward the trusted set)", "curate_random",
+               ("curate_", "train_curate", "eval_curate")),
     MethodSpec("bridge", "BRIDGE (token selection)", "random", ("bridge_", "train_bridge", "eval_bridge")),
     MethodSpec("rho1", "RHO-1 (excess loss, per example)", "random", ("baseline_rho1", "train_rho1")),
     MethodSpec("token_cleaning", "Token Cleaning (excess loss, corpus-wide)", "random",
@@ -116,8 +118,8 @@ def selection_quality(manifest: dict, model: str) -> dict[str, Any]:
         if "distractor_dropped_share" in m:
             return {"kind": "prompt tokens dropped, distractor vs relevant",
                     "value": m["distractor_dropped_share"], "reference": m.get("relevant_dropped_share"),
-                    "budget": (f"rho_p {m.get('prompt_budget_ratio', 0):.2f}, "
-                               f"rho_r {m.get('response_budget_ratio', 0):.2f}")}
+                    "budget": (f"{m.get('prompt_budget_ratio', 0):.0%} of prompt, "
+                               f"{m.get('response_budget_ratio', 0):.0%} of response tokens")}
     if model == "p2d":
         m = (stages.get("p2d_select") or {}).get("metrics") or {}
         if m.get("precision_selected") is not None and m.get("selected"):
@@ -125,7 +127,7 @@ def selection_quality(manifest: dict, model: str) -> dict[str, Any]:
             auroc = ""
             if m.get("auroc") is not None:
                 low, high = m.get("auroc_ci95") or (float("nan"), float("nan"))
-                auroc = f"; AUROC of s_final, clean vs corrupted, {m['auroc']:.2f} [{low:.2f}, {high:.2f}]"
+                auroc = f"; AUROC of P2D's row score, clean vs corrupted, {m['auroc']:.2f} [{low:.2f}, {high:.2f}]"
             return {"kind": "precision (clean share) of selected vs pool", "value": m["precision_selected"],
                     "low": ci.low, "high": ci.high, "reference": m.get("precision_pool"),
                     "budget": f"{m.get('selected')} of {m.get('pool')} rows{auroc}"}
@@ -403,9 +405,13 @@ def section_curation(run_dir: Path, manifest: dict) -> str:
     parts = ["<h2 id='curation'>Did curation help?</h2>"]
     names = {m: display_name(m) for b in by_metric.values() for m in b["models"]}
     parts += [base_sentence(block, names) for block in by_metric.values()]
-    parts.append(f"<p>Held-out scores on {n} questions; 95% paired bootstrap intervals over questions (one corpus "
+    parts.append(f"<p>Held-out scores on {n} questions (exact match: the share of questions whose final answer is "
+                 "right, greedy or over sampled answers); 95% paired bootstrap intervals over questions (one corpus "
                  "seed: rerun <code>jobs/proving_ground.yaml</code> for several). <b>*</b> marks a difference whose "
-                 "interval excludes 0; <i>(noise)</i> one that does not.</p>")
+                 "interval excludes 0; <i>(noise)</i> one that does not. Models: base (not fine-tuned), mixed "
+                 "(fine-tuned, SFT, on every row of the pool), clean (SFT on the pool's clean rows only: what "
+                 "perfect curation could reach), and each method. The oracle gap, clean minus mixed, is the most "
+                 "that removing bad rows can gain.</p>")
     parts += [oracle_sentence(block) for block in by_metric.values()]
     if (manifest.get("results") or {}).get("composition"):
         parts.append("<p>Each arm's score, its difference from random rows and its share of the gap closed: "
@@ -419,7 +425,10 @@ def section_curation(run_dir: Path, manifest: dict) -> str:
              f"{m['seconds']:.0f}"]
             for m in comparisons["methods"]]
     if rows:
-        parts.append(f"<p>Methods, in held-out {esc(metric)}:</p><div class='wide'>" + table(
+        parts.append(f"<p>Methods, in held-out {esc(metric)}. Baseline: the same budget spent on random choices; "
+                     "vs baseline / vs mixed / vs base: the method's score minus theirs; share of oracle gap closed: "
+                     "(method &minus; mixed) / (clean &minus; mixed); selection quality: what the method kept, judged "
+                     "by the embedded corpus's labels.</p><div class='wide'>" + table(
             ["method", "budget", "selection quality (ground truth)", metric, "baseline", "vs baseline",
              "vs mixed", "vs base", "share of oracle gap closed", "seconds"], rows) + "</div>")
     return "".join(parts)
