@@ -107,7 +107,7 @@ def test_p2d_selection_precision_carries_a_bootstrap_interval(tmp_path):
     assert sel["value"] == 0.9 and sel["low"] < 0.9 < sel["high"] and sel["high"] - sel["low"] < 0.14
     manifest["stages"]["p2d_select"]["metrics"].update(auroc=0.612, auroc_ci95=[0.571, 0.655])
     assert selection_quality(manifest, "p2d")["budget"] == (
-        "100 of 1000 rows; AUROC of s_final, clean vs corrupted, 0.61 [0.57, 0.66]")
+        "100 of 1000 rows; AUROC of P2D's row score, clean vs corrupted, 0.61 [0.57, 0.66]")
 
 
 def test_proving_ground_runs_the_demo_per_seed_and_writes_the_pooled_summary(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from raycurate.config.curate import STEP_HELP
 from raycurate.config.loader import apply_overrides, from_dict, override_keys
 from raycurate.errors import UserError
 
@@ -309,12 +310,7 @@ CURATE_EXAMPLE = """example:
       --steps dedup,reference,mask --keep 0.7 --train --heldout questions.jsonl train.lr=1e-4
 
 steps (run in order; at most one token-level step, and it last):
-  dedup      drop near-duplicate rows
-  reference  keep the rows a LoRA reference, fine-tuned on the trusted rows, finds least surprising
-  bds        keep the top rows by their learned BDS weight (bilevel data selection)
-  p2d        keep the top rows by P2D's score (how much each row helps as an in-context example)
-  mask       token-level: drop the loss of the response tokens the reference finds most surprising
-  bridge     token-level: BRIDGE token selection (train on the prompt and response tokens that matter most)
+""" + "\n".join(f"  {step:<10} {text}" for step, text in STEP_HELP.items()) + """
 Default steps and keep share: curate.steps and curate.keep_fraction; every setting of a step:
 raycurate curate --help-config curate."""
 

@@ -11,9 +11,19 @@ def esc(value: object) -> str:
     return html.escape(str(value))
 
 
+def num(value: object, digits: int = 3) -> str:
+    """A number as a reader wants it: a float to ``digits`` significant digits (0.38648293963254593 -> 0.386,
+    1.0 -> 1), and one of ``digits`` or more integer digits without decimals (1051.3 -> 1051), anything else as
+    is."""
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.0f}" if abs(value) >= 10 ** digits else f"{value:.{digits}g}"
+    return str(value)
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """An HTML table; float cells are rounded (:func:`num`), so no raw float reaches the reader."""
     head = "".join(f"<th>{esc(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows)
+    body = "".join("<tr>" + "".join(f"<td>{esc(num(c))}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 

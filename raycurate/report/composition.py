@@ -98,6 +98,10 @@ def section_composition(run_dir: Path, manifest: dict) -> str:
         return ""
     budget = block.get("budget_tokens") or 0
     steps = " &rarr; ".join(esc(s) for s in block.get("steps", []))
+    keep = block.get("keep_fraction")
+    settings = [f"each ranking step keeps {keep:.0%} of the rows it receives"] if isinstance(keep, float) else []
+    if "bds" in block.get("steps", []):
+        settings.append(f"BDS mode {esc(block.get('bds_mode', ''))}")
     rows = []
     for name, arm in arms.items():
         tokens = arm.get("response_tokens", 0)
@@ -107,11 +111,12 @@ def section_composition(run_dir: Path, manifest: dict) -> str:
                      format_ci(arm.get("vs_composition"), True)])
     label = esc(block.get("metric_label", "held-out score"))
     by_metric = composition_metrics(run_dir, manifest, arms)
-    return (f"<h2 id='composition'>Composition</h2><p>Steps {steps} (keep fraction {block.get('keep_fraction')}, "
-            f"BDS mode {esc(block.get('bds_mode', ''))}) against each step alone over the whole pool and seeded "
-            f"random rows, every arm cut to the composition's T = {budget} response tokens. 95% paired bootstrap "
-            "intervals over the held-out questions; <b>*</b>: the interval of a difference excludes 0, "
-            "<i>(noise)</i>: it does not.</p>"
+    return (f"<h2 id='composition'>Composition</h2><p>The steps {steps} applied one after another"
+            f"{' (' + '; '.join(settings) + ')' if settings else ''}, compared with each step alone over the whole "
+            "pool and with random rows. Each of these alternatives (an arm) is cut to the same number of response "
+            f"tokens as the composition trains on (T = {budget}), so they differ in which tokens they keep, not how "
+            "many. 95% paired bootstrap intervals over the held-out questions; <b>*</b>: the interval of a difference "
+            "excludes 0, <i>(noise)</i>: it does not.</p>"
             + _verdicts(by_metric, arms, list(block.get("steps", [])))
             + f"<h3>Arms at the matched budget</h3><p>Held-out {label} on {block.get('questions', '?')} "
             "questions.</p>"

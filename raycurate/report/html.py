@@ -1,10 +1,11 @@
 """A self-contained HTML report of a run (inline CSS and SVG; no scripts, no network).
 
 Sections: "Your curated data" (``raycurate curate``, :mod:`raycurate.report.user_curate`), run summary, "Did
-curation help?" (:mod:`raycurate.report.curation`), the composition of pipeline
-curate (:mod:`raycurate.report.composition`), held-out results, lm-eval, BRIDGE token views, P2D heads, bilevel
-weights, Tune results, row accounting, stage timings, corpus composition (:data:`SECTIONS`; the pipeline sections
-live in :mod:`raycurate.report.sections`).
+curation help?" (:mod:`raycurate.report.curation`), the composition of pipeline curate
+(:mod:`raycurate.report.composition`), held-out results, lm-eval, BRIDGE token views, P2D heads, bilevel weights,
+Tune results, outputs and next steps, row accounting, stage timings, corpus composition (:data:`SECTIONS`; the
+pipeline sections live in :mod:`raycurate.report.sections`).  Every paper term is explained where it appears, and
+tables round their floats (:func:`raycurate.report.charts.num`).
 """
 
 from __future__ import annotations
@@ -38,16 +39,81 @@ _esc = esc
 _table = table
 
 
+#: What each pipeline does, in a sentence.
+PIPELINE_TEXT = {
+    "demo": "every curation method against its matched baseline, on the embedded corpus",
+    "sft": "fine-tuning on your data",
+    "bridge": "BRIDGE token selection, then fine-tuning on the prompt and response tokens it kept",
+    "p2d": "P2D: the rows that help most as in-context examples, then fine-tuning of a few attention heads",
+    "bilevel": "learned row weights (BDS), online regeneration of responses (BMO) and example-selection baselines",
+    "curate": "curation steps one after another, then one fine-tuning on what they kept",
+    "proving_ground": "the demo repeated over corpus seeds",
+}
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``12 min``, ``2.5 h``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
 def section_summary(run_dir: Path, manifest: dict) -> str:
     stages = manifest.get("stages", {})
     done = sum(1 for s in stages.values() if s.get("status") == "done")
     total = sum(s.get("seconds", 0) for s in stages.values())
+    pipeline = manifest.get("pipeline", "?")
+    anchor = "your-data" if (manifest.get("results") or {}).get("user_curate") else "outputs"
+    what = f": {_esc(PIPELINE_TEXT[pipeline])}" if pipeline in PIPELINE_TEXT else ""
+    unfinished = ", ".join(f"{_esc(name)} {_esc(s.get('status', '?'))}" for name, s in stages.items()
+                           if s.get("status") != "done")
     return (
         f"<h2 id='summary'>Run summary</h2><p>Run <b>{_esc(manifest.get('run', run_dir.name))}</b>, pipeline "
-        f"<b>{_esc(manifest.get('pipeline', '?'))}</b>: {done}/{len(stages)} stages done, "
-        f"{total:.1f} s of stage time. Config: <code>config.yaml</code> in the run directory (paths in this "
-        "report are relative to it).</p>"
+        f"<b>{_esc(pipeline)}</b>{what}. {done} of {len(stages)} stages finished"
+        f"{f' ({unfinished})' if unfinished else ''}, {_duration(total)} of stage time. Paths in this report are "
+        f"relative to the run directory; <a href='#{anchor}'>where the outputs are and what to do next</a>.</p>"
     )
+
+
+def section_outputs(run_dir: Path, manifest: dict) -> str:
+    """Where a run's outputs are and what to do next (a ``raycurate curate`` run has its own list at the top)."""
+    if (manifest.get("results") or {}).get("user_curate"):
+        return ""
+    stages = {name: s for name, s in (manifest.get("stages") or {}).items() if s.get("status") == "done"}
+
+    def files(prefix: str, key: str) -> list[str]:
+        return [s["outputs"][key] for name, s in stages.items()  # outputs are relative to the run directory
+                if name.startswith(prefix) and key in (s.get("outputs") or {})]
+
+    def listed(paths: list[str], limit: int = 6) -> str:
+        shown = ", ".join(f"<a href='{_esc(p)}'><code>{_esc(p)}</code></a>" for p in paths[:limit])
+        return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+    items = [("the settings of this run (<code>raycurate run RUN_DIR/config.yaml</code>, from the folder the run "
+              "was started in, repeats it)", ["config.yaml"]),
+             ("every stage's status, metrics and output files (<code>raycurate inspect</code> prints them)",
+              ["manifest.json"]),
+             ("fine-tuned models (Hugging Face checkpoint folders, or LoRA adapters that name their base)",
+              files("train_", "model")),
+             ("each held-out question's answers and scores, per model", files("eval_", "predictions")),
+             ("input rows that could not be used, with the reason", list((manifest.get("rows") or {}).get(
+                 "rejected_files") or []))]
+    out = ["<h2 id='outputs'>Outputs and next steps</h2><p>In the run directory:</p><ul>"]
+    out += [f"<li>{what}: {listed(paths)}</li>" for what, paths in items if paths]
+    out.append("</ul><p>Next:</p><ul>")
+    if (manifest.get("results") or {}).get("curation") or (manifest.get("results") or {}).get("composition"):
+        out.append("<li>The comparisons above come from one corpus seed and one training seed: before trusting a "
+                   "difference, repeat them over several (<code>raycurate run jobs/proving_ground.yaml</code>).</li>")
+    out.append("<li>Try other settings: <code>raycurate run RUN_DIR/config.yaml train.lr=1e-4 run.name=lr1e-4</code> "
+               "(every setting: <code>raycurate run --help-config</code>). Running the same command again resumes "
+               "this run: finished stages whose settings did not change are reused.</li>")
+    trained = [name for name, s in stages.items() if name.startswith("train_") and "model" in (s.get("outputs") or {})]
+    if trained:
+        out.append("<li>Score a fine-tuned model on standard benchmarks: <code>raycurate eval RUN_DIR --model-stage "
+                   f"{_esc(trained[0])} --tasks arc_challenge,hellaswag</code>.</li>")
+    out.append("<li>Curate your own data toward a small hand-checked set: <code>raycurate curate --data rows.jsonl "
+               "--trusted checked.jsonl --model MODEL --out curated/</code>.</li></ul>")
+    return "".join(out)
 
 
 def section_rows(run_dir: Path, manifest: dict) -> str:
@@ -71,7 +137,8 @@ def section_timings(run_dir: Path, manifest: dict) -> str:
     items = [(name, float(s.get("seconds", 0.0))) for name, s in stages.items()]
     rows = [[name, s.get("status"), f"{s.get('seconds', 0):.1f}", s.get("config_hash", "")]
             for name, s in stages.items()]
-    return ("<h2 id='timings'>Stage timings</h2>"
+    return ("<h2 id='timings'>Stage timings</h2><p>The config hash identifies a stage's settings and inputs: a stage "
+            "whose hash has not changed is reused when the run is repeated.</p>"
             + bar_chart(items, title="Wall time per stage", value_label="seconds", category_label="stage",
                         direction=LOWER_IS_BETTER, unit=" s")
             + _table(["stage", "status", "seconds", "config hash"], rows))
@@ -126,14 +193,15 @@ def _spans(text: str, offsets: list[int], marks: list[int], on: str, off: str) -
 
 
 def bridge_examples_html(rows: list[dict], limit: int = 3) -> str:
-    """Paper Fig. 7 style: kept/dropped prompt tokens and supervised/unsupervised response tokens."""
+    """A few rows with their kept / dropped prompt tokens and trained-on / not-trained-on response tokens."""
     parts = []
     for row in rows[:limit]:
         p = int(row["prompt_len"])
         prompt = _spans(row["prompt"], row["prompt_offsets"], row["sel_prompt_keep"], "kept", "dropped")
         response = _spans(row["response"], row["response_offsets"], row["sel_loss_mask"][p:], "sup", "unsup")
-        parts.append(f"<p><b>{_esc(row['id'])}</b> ({_esc(row.get('domain'))}): kept {row['sel_kept_prompt']}/"
-                     f"{row['sel_eligible_prompt']} prompt tokens, supervised {row['sel_supervised_response']}/"
+        domain = f" ({_esc(row['domain'])})" if row.get("domain") else ""
+        parts.append(f"<p><b>{_esc(row['id'])}</b>{domain}: kept {row['sel_kept_prompt']} of "
+                     f"{row['sel_eligible_prompt']} prompt tokens, trained on {row['sel_supervised_response']} of "
                      f"{row['sel_eligible_response']} response tokens</p><div class='tokens'>{prompt}</div>"
                      f"<div class='tokens'>{response}</div>")
     return "".join(parts)
@@ -145,35 +213,58 @@ def section_bridge(run_dir: Path, manifest: dict) -> str:
     if select.get("status") != "done":
         return ""
     m = select.get("metrics", {})
-    out = ["<h2 id='bridge'>BRIDGE token selection</h2>"]
-    budget_rows = [["prompt kept / eligible", f"{m.get('prompt_budget_ratio', 0):.4f}"],
-                   ["response supervised / eligible", f"{m.get('response_budget_ratio', 0):.4f}"],
-                   ["rows with exact budgets", f"{m.get('budget_exact_share', 0):.3f}"],
-                   ["final-answer coverage, closure", m.get("final_answer_coverage_closure")],
-                   ["final-answer coverage, score only", m.get("final_answer_coverage_score_only")],
-                   ["distractor prompt tokens dropped", f"{m.get('distractor_dropped_share', 0):.3f}"],
-                   ["relevant prompt tokens dropped", f"{m.get('relevant_dropped_share', 0):.3f}"]]
+
+    def share(key: str) -> str:
+        return "" if m.get(key) is None else f"{m[key]:.3f}"
+
+    out = ["<h2 id='bridge'>BRIDGE token selection</h2><p>BRIDGE scores every prompt and response token by how much "
+           "training on it would lower the loss on the target rows (the trusted set, or the pool's validation split), "
+           "keeps the best share of each row's prompt tokens and trains on the best share of its response tokens. "
+           "Template and special tokens are not eligible: they are always kept.</p>"]
+    budget_rows = [["prompt tokens kept, share of eligible (bridge.rho_p)", share("prompt_budget_ratio")],
+                   ["response tokens trained on, share of eligible (bridge.rho_r)", share("response_budget_ratio")],
+                   ["rows whose budgets were met exactly", share("budget_exact_share")],
+                   ["rows whose final-answer line is trained on, with closure (bridge.closure)",
+                    share("final_answer_coverage_closure")],
+                   ["rows whose final-answer line is trained on, by the scores alone",
+                    share("final_answer_coverage_score_only")]]
+    if "corpus" in stages:  # the embedded corpus labels its distractor sentences
+        budget_rows += [["distractor prompt tokens dropped (higher is better)", share("distractor_dropped_share")],
+                        ["relevant prompt tokens dropped (lower is better)", share("relevant_dropped_share")]]
     from raycurate.config.bridge import BRIDGE_BASELINES
 
     for stage in ("bridge_compact", *(f"baseline_{name}_compact" for name in BRIDGE_BASELINES)):
         cm = stages.get(stage, {}).get("metrics", {})
         if "executed_token_ratio" in cm:
-            budget_rows.append([f"executed tokens after compaction ({stage})", f"{cm['executed_token_ratio']:.3f}"])
-    out.append("<h3>Realised budgets (Table 7 style)</h3>" + _table(["quantity", "value"], budget_rows))
-    out.append("<h3>Surrogate utility by schedule (mean U_sur)</h3>" + bar_chart(
-        [(k, float(m.get(f"u_sur_{k}", 0.0))) for k in ("independent", "one_pass", "alternating")],
-        title="Mean surrogate utility U_sur of the selection", value_label="mean U_sur", category_label="schedule",
-        direction=HIGHER_IS_BETTER))
+            budget_rows.append([f"tokens left in the training rows after dropping prompt tokens ({stage})",
+                                f"{cm['executed_token_ratio']:.3f}"])
+    out.append("<h3>Token budgets</h3><p>Closure keeps whole lines and sentences of a response together (the "
+               "final-answer line always), so a row is not trained on scattered tokens.</p>"
+               + _table(["quantity", "value"], budget_rows))
+    out.append("<h3>Selection schedules compared</h3><p>The surrogate utility (U_sur) of a row's selection is "
+               "BRIDGE's first-order estimate of how much training on the selected tokens lowers the target loss: "
+               "the sum of their scores, prompt and response chosen together (higher is better). independent "
+               "chooses each side once against the whole other side; one_pass updates each side once; alternating "
+               "(<code>bridge.schedule</code>, the default) repeats until the selection stops changing.</p>"
+               + bar_chart([(k, float(m.get(f"u_sur_{k}", 0.0))) for k in ("independent", "one_pass", "alternating")],
+                           title="Mean surrogate utility (U_sur) of the selection per schedule",
+                           value_label="mean U_sur", category_label="schedule", direction=HIGHER_IS_BETTER))
     fidelity_path = run_dir / "bridge_diagnostics" / "fidelity.json"
     if fidelity_path.exists():
         fid = json.loads(fidelity_path.read_text())
-        rows = [[r["side"], r["proxy"], *(f"{r[k]:.4f}" for k in ("spearman", "top_b_overlap", "jaccard",
+        rows = [[r["side"], r["proxy"], *(f"{r[k]:.3f}" for k in ("spearman", "top_b_overlap", "jaccard",
                                                                    "normalized_regret"))] for r in fid["table"]]
-        out.append(f"<h3>Fidelity to exact reference scores (Table 3 style, {fid['examples']} examples)</h3>"
-                   + _table(["side", "proxy", "Spearman", "Top-b overlap", "Jaccard", "norm. regret"], rows)
-                   + "<p class='muted'>attention: routing weights alone (a_j = 1); attention_x_a: the paper's "
-                   "final-layer routing surrogate (default); knockout_grad: first-order prompt knock-out derivative "
-                   "(beyond the paper, <code>bridge.prompt_proxy</code>; its response row is the surrogate's).</p>")
+        out.append(f"<h3>How closely the fast scores match exact ones ({fid['examples']} rows)</h3><p>On a sample of "
+                   "rows (<code>bridge.diagnostics_rows</code>) each prompt token's score is recomputed exactly, by "
+                   "removing the token and re-running the model, and compared with the fast scores BRIDGE selects "
+                   "with. Spearman: rank correlation (1 = same order). Top-b overlap and Jaccard: agreement of the "
+                   "selected sets at the same budget (1 = identical). Normalised regret: share of the exact utility "
+                   "lost by selecting with the fast score (0 = none, lower is better).</p>"
+                   + _table(["side", "fast score", "Spearman", "top-b overlap", "Jaccard", "normalised regret"], rows)
+                   + "<p class='muted'>attention: attention weights alone; attention_x_a: attention weights times "
+                   "the response tokens' scores (BRIDGE's default); knockout_grad: the derivative of the response "
+                   "score with respect to each prompt token's attention (<code>bridge.prompt_proxy</code>; its "
+                   "response row is attention_x_a's).</p>")
         note = (fid.get("response_side_note") or {}).get("text")
         if note:
             out.append(f"<p>Note: the {_esc(note)}.</p>")
@@ -184,9 +275,13 @@ def section_bridge(run_dir: Path, manifest: dict) -> str:
             if top:
                 srows = [row + [f"{ps:.3f}", f"{rs:.3f}"] for row, ps, rs in zip(
                     srows, top["prompt_shift"], top["response_shift"])]
-            head = ["opposite-side retention", "prompt shift (random nested)", "response shift (random nested)"]
-            out.append("<h3>Ranking shift vs opposite-side retention (Fig. 2b)</h3>" + _table(
-                head + (["prompt shift (Top-b)", "response shift (Top-b)"] if top else []), srows))
+            head = ["share of the other side kept", "prompt shift (random subsets)", "response shift (random subsets)"]
+            out.append("<h3>Does one side's selection change the other's ranking?</h3><p>Shift = 1 minus the rank "
+                       "correlation between a side's token ranking with the whole other side kept and with only the "
+                       "given share of it kept (random nested subsets, or the top-scoring ones). Near 0: each side "
+                       "could be chosen on its own; larger: choosing prompt and response tokens together "
+                       "matters.</p>"
+                       + _table(head + (["prompt shift (top-b)", "response shift (top-b)"] if top else []), srows))
     selection_dir = run_dir / "bridge_select" / "selection"
     parts = sorted(selection_dir.glob("*.parquet"))
     if parts:
@@ -194,15 +289,16 @@ def section_bridge(run_dir: Path, manifest: dict) -> str:
 
         rows = pq.read_table(parts[0]).slice(0, 3).to_pylist()
         out.append("<h3>Examples</h3><p>Prompt: <span class='kept'>kept</span> / <span class='dropped'>dropped"
-                   "</span>; response: <span class='sup'>supervised</span> / <span class='unsup'>unsupervised"
-                   "</span> (the whole response stays in the causal history).</p>" + bridge_examples_html(rows))
+                   "</span>; response: <span class='sup'>trained on</span> / <span class='unsup'>not trained on"
+                   "</span> (the model still reads the whole response; only the loss skips those tokens).</p>"
+                   + bridge_examples_html(rows))
     return "".join(out)
 
 
 # The question a user runs the demo for comes first; timings and row accounting follow the method sections.
 SECTIONS: list[Callable[[Path, dict], str]] = [
     section_summary, section_curation, section_composition, section_results, section_lm_eval, section_bridge,
-    section_p2d, section_bilevel, section_tune, section_rows, section_timings, section_corpus,
+    section_p2d, section_bilevel, section_tune, section_outputs, section_rows, section_timings, section_corpus,
 ]
 
 

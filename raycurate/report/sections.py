@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from raycurate.report.charts import HIGHER_IS_BETTER, LOWER_IS_BETTER, esc, heatmap, histogram, scatter, table
+from raycurate.report.charts import HIGHER_IS_BETTER, LOWER_IS_BETTER, esc, heatmap, histogram, num, scatter, table
+
+#: What the report calls P2D's head scorers (``p2d.head_scorer``).
+HEAD_SCORERS = {"w1": "W1 (earth mover's) distance", "cosine": "cosine distance", "l2": "L2 distance",
+                "kl": "KL divergence"}
 
 
 def _stage(manifest: dict, name: str) -> dict:
@@ -13,7 +17,8 @@ def _stage(manifest: dict, name: str) -> dict:
 
 
 def section_p2d(run_dir: Path, manifest: dict) -> str:
-    """Head heatmap with the selected heads, selection precision, AER (paper Table 2 style)."""
+    """Head heatmap with the selected heads, the clean share of the selected rows, and P2D's cost relative to full
+    fine-tuning."""
     heads_rec = _stage(manifest, "p2d_heads")
     if heads_rec.get("status") != "done":
         return ""
@@ -27,20 +32,29 @@ def section_p2d(run_dir: Path, manifest: dict) -> str:
             grid[h["layer"]][h["head"]] = h["score"]
             if h["selected"]:
                 marked.add((h["layer"], h["head"]))
-        parts.append(f"<p>Head sensitivity ({esc(data['method'])}, tau={data['tau']}) between the base model and the "
-                     f"proxy; outlined: the {len(marked)} selected heads (rho_P={data['ratio']}).</p>")
-        parts.append(heatmap(grid, title=f"Head sensitivity ({data['method']})", row_label="layer",
+        scorer = HEAD_SCORERS.get(data["method"], data["method"])
+        parts.append(f"<p>How much each attention head changes when the base model is briefly fine-tuned on a sample "
+                     f"of the rows (the proxy model): the {esc(scorer)} between the head's weight distributions "
+                     f"before and after (<code>p2d.head_scorer</code>; softmax temperature {num(data['tau'])}, "
+                     f"<code>p2d.head_tau</code>). Outlined: the {len(marked)} most changed heads "
+                     f"({num(100 * data['ratio'])}% of heads, <code>p2d.head_ratio</code>), which P2D probes the rows "
+                     "with and then fine-tunes alone.</p>")
+        parts.append(heatmap(grid, title=f"Head sensitivity ({scorer})", row_label="layer",
                              col_label="head", marked=marked))
     select = _stage(manifest, "p2d_select").get("metrics") or {}
     if select:
-        rows = [[k, "" if select.get(k) is None else f"{select[k]:.3f}"] for k in
-                ("precision_selected", "precision_random", "precision_pool")]
-        parts.append(f"<p>Selected {select.get('selected')} of {select.get('pool')} pool examples; precision = share "
-                     "of clean (uncorrupted) rows.</p>" + table(["set", "precision"], rows))
+        names = {"precision_selected": "rows P2D selected", "precision_random": "as many random rows",
+                 "precision_pool": "the whole pool"}
+        rows = [[name, "" if select.get(k) is None else f"{select[k]:.3f}"] for k, name in names.items()]
+        parts.append(f"<p>P2D selected {select.get('selected')} of {select.get('pool')} pool rows, by how much each "
+                     "helps the probed heads answer other questions when shown as an in-context example. Share of "
+                     "clean rows (the embedded corpus's ground truth; higher is better):</p>"
+                     + table(["rows", "share clean"], rows))
     aer = (manifest.get("p2d") or {}).get("aer")
     if aer:
-        parts.append("<p>AER = (selection + adaptation) / full SFT, from stage timings.</p>" + table(
-            ["selection s", "adaptation s", "full SFT s", "AER"],
+        parts.append("<p>Cost relative to full fine-tuning: (selection + head fine-tuning seconds) / seconds of "
+                     "fine-tuning the whole model on every row (the P2D paper's AER); below 1 P2D was cheaper.</p>"
+                     + table(["selection s", "head fine-tuning s", "full fine-tuning s", "ratio (AER)"],
             [[f"{aer['selection_seconds']:.1f}", f"{aer['adaptation_seconds']:.1f}",
               f"{aer['full_sft_seconds']:.1f}", f"{aer['aer']:.3f}"]]))
     return "".join(parts)
@@ -58,28 +72,35 @@ def section_bilevel(run_dir: Path, manifest: dict) -> str:
             auroc = info.get("auroc")
             low, high = info.get("auroc_ci95") or (None, None)
             interval = f" [{low:.3f}, {high:.3f}]" if low is not None else ""
-            parts.append(f"<h3>{esc(method)}</h3><p>sigma(omega) after training by ground-truth label"
-                         + (f"; AUROC clean vs corrupted = {auroc:.3f}{interval}" if auroc is not None else "")
+            parts.append(f"<h3>{esc(method)}</h3><p>The weight BDS learned for each row (sigma(omega), mean 1; "
+                         "higher: training on the row lowered the loss on the trusted rows more), by the embedded "
+                         "corpus's ground-truth label"
+                         + (f". AUROC clean vs corrupted = {auroc:.3f}{interval} (the chance that a random clean "
+                            "row outweighs a random corrupted one: 0.5 is chance, 1 perfect)" if auroc is not None
+                            else "")
                          + ".</p>")
             parts.append(histogram(hist, title=f"{method}: learned row weights by ground-truth label",
-                                   x_label="sigma(omega)", y_label="rows"))
+                                   x_label="learned weight sigma(omega)", y_label="rows"))
             parts.append(_auroc_by_kind(info))
         for key, title in (("top", "highest-weighted"), ("bottom", "lowest-weighted")):
             rows = info.get(key) or []
             if rows:
-                parts.append(f"<p>{title} questions</p>" + table(
-                    ["id", "sigma", "clean", "corruption"],
+                parts.append(f"<p>{title} rows</p>" + table(
+                    ["id", "weight", "clean", "corruption"],
                     [[r.get("id"), f"{r.get('sigma', 0):.3f}", r.get("clean"), r.get("corruption", "")]
                      for r in rows]))
         gens = info.get("generations") or []
         if gens:
-            parts.append("<p>original vs generated responses</p>" + table(
+            parts.append("<p>Responses BMO regenerated during training (the online method), next to the originals. "
+                         "Importance weight: how likely the final model finds the generated response relative to the "
+                         "model that generated it (per-token geometric mean; 1 = unchanged).</p>" + table(
                 ["question", "original", "generated", "importance weight"],
                 [[g.get("question_id"), g.get("original", "")[:200], g.get("generated", "")[:200],
                   f"{g.get('weight', 0):.3f}"] for g in gens]))
     losses = bilevel.get("losses")
     if losses:
-        parts.append("<p>upper-level (validation) and lower-level (training) losses</p>" + table(
+        parts.append("<p>Final losses: on the trusted rows the weights are learned for (upper level) and on the "
+                     "weighted training rows (lower level).</p>" + table(
             ["method", "validation loss (lower is better)", "training loss (lower is better)"],
             [[m, f"{v.get('validation_loss', float('nan')):.4f}", f"{v.get('train_loss', float('nan')):.4f}"]
              for m, v in losses.items()]))
@@ -117,7 +138,10 @@ def section_lm_eval(run_dir: Path, manifest: dict) -> str:
     averages = [[name, *(_fmt(rec["metrics"].get(k)) or "n/a" for k in ("general_avg", "target", "overall_avg"))]
                 for name, rec in runs.items()]
     if any(v != "n/a" for row in averages for v in row[1:]):
-        out += "<h3>BRIDGE aggregates</h3>" + table(["stage", "General Avg", "target", "Overall Avg"], averages)
+        out += ("<h3>Averages as in the BRIDGE paper</h3><p>General Avg: mean of the general benchmarks (ARC "
+                "challenge, HellaSwag, MMLU and a fourth per target domain); target: the target domain's benchmark "
+                "(<code>eval.lm_eval_domain</code>); Overall Avg: the mean of the two.</p>"
+                + table(["stage", "General Avg", "target", "Overall Avg"], averages))
     return out
 
 
@@ -134,7 +158,9 @@ def section_tune(run_dir: Path, manifest: dict) -> str:
     params = [f"param.{p}" for p in tune.get("params", [])]
     parts = [f"<h2 id='tune'>Ray Tune sweep: {esc(tune['name'])}</h2>",
              f"<p>{tune['trials']} trials ({tune['finished']} finished), {esc(tune['search'])} search, scheduler "
-             f"{esc(tune['scheduler'])}; metric <code>{esc(tune['metric'])}</code> ({esc(tune['mode'])}).</p>",
+             f"{esc(tune['scheduler'])}; metric <code>{esc(tune['metric'])}</code> "
+             f"({'lower' if tune.get('mode') == 'min' else 'higher'} is better). Rung: how many rounds of training "
+             "a trial reached before the scheduler stopped it.</p>",
              table(["trial", *[p.removeprefix("param.") for p in params], "metric", "rung", "status"],
                    [[r.get("trial"), *(r.get(p) for p in params), _fmt(r.get("metric")), r.get("rung"),
                      r.get("status")] for r in rows])]
@@ -147,6 +173,7 @@ def section_tune(run_dir: Path, manifest: dict) -> str:
                                  x_label=p.removeprefix("param."), y_label=str(tune["metric"]), direction=direction))
     best = tune.get("best")
     if best:
-        parts.append(f"<p>Best trial {best['trial']}: metric {best['metric']:.4g}; config "
-                     f"<code>{esc(tune.get('best_config', ''))}</code>.</p>")
+        values = ", ".join(f"{p.removeprefix('param.')}={num(best.get(p))}" for p in params)
+        parts.append(f"<p>Best trial {best['trial']} ({esc(values)}): metric {best['metric']:.4g}; its job file "
+                     f"<code>{esc(tune.get('best_config', ''))}</code> (run it with <code>raycurate run</code>).</p>")
     return "".join(parts)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from raycurate.config.curate import STEP_HELP
 from raycurate.report.charts import esc, table
 
 _FILES = (("curated", "kept records, original fields untouched, plus weight and kept spans"),
@@ -53,9 +54,11 @@ def section_user_curate(run_dir: Path, manifest: dict, report_dir: Path) -> str:
     if "reference" in settings["steps"] and settings.get("keep_rule") == "calibrated":
         rule += (f", the reference the rows worse than at most {settings['calibration_quantile']:.0%} of the "
                  "held-out trusted rows")
+    steps = "".join(f"<li><b>{esc(s)}</b>: {esc(STEP_HELP.get(s, ''))}</li>" for s in settings["steps"])
     parts = [f"<h2 id='your-data'>Your curated data</h2><p>{rows['input']} input rows: <b>{rows['kept']} kept</b>, "
-             f"{rows['dropped']} dropped, {rows['rejected']} rejected. Steps {esc(' -> '.join(settings['steps']))} "
-             f"({esc(rule)}); target: {block['trusted'].get('accepted')} trusted rows.</p>"
+             f"{rows['dropped']} dropped, {rows['rejected']} rejected, curated toward "
+             f"{block['trusted'].get('accepted')} trusted rows by these steps, in order ({esc(rule)}):</p>"
+             f"<ol>{steps}</ol>"
              + table(["outcome", "rows"], counts)]
     uncurated = sum(rows["kept_uncurated"].values())
     if uncurated:
