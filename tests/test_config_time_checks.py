@@ -85,6 +85,8 @@ def test_bds_batch_message_names_the_fix_and_applies_only_where_bds_trains():
     assert not _problems("pipeline=bilevel", "bilevel.methods=[random, dsir]", "bilevel.val_batch=32")
     assert not _problems("pipeline=curate", "curate.steps=[dedup, bridge]", "bilevel.val_batch=32")
     assert _problems("pipeline=curate", "curate.steps=[bds, bridge]", "bilevel.val_batch=32")
+    assert _problems("pipeline=demo", "demo.methods=[curate]", "curate.steps=[bds]", "bilevel.val_batch=32")
+    assert not _problems("pipeline=demo", "demo.methods=[sft]", "bilevel.val_batch=32")
 
 
 @pytest.mark.parametrize("rows, workers", [(100, 2), (100, 3), (99, 3), (16, 4), (18, 4)])
@@ -191,6 +193,8 @@ def test_bridge_layers_are_checked_against_the_models_layer_count():
         "bridge.last_layers: 3 is more than the 2 layers of model embedded; set bridge.last_layers=2 or less"]
     assert not _model_problems("pipeline=bridge", "bridge.last_layers=2")
     assert not _model_problems("pipeline=sft", "bridge.last_layers=3")  # BRIDGE does not run
+    assert _model_problems("pipeline=demo", "demo.methods=[curate]", "curate.steps=[dedup, bridge]",
+                           "bridge.last_layers=3")  # the demo's curation runs BRIDGE as its token step
     assert _model_problems("pipeline=bridge", "bridge.routing_layer=2") == [
         "bridge.routing_layer: model embedded has layers 0-1, not 2; set it below that, or null (its last "
         "full-attention layer)"]

@@ -202,12 +202,18 @@ class JobConfig:
                                 f"data.split_ratios has only {sorted(splits)}; add it (a 0.0 share is allowed)")
         return problems + self.bds_batch_problems() + self.p2d_problems() + self.eval_problems()
 
+    def curate_steps_run(self) -> list[str]:
+        """The curate steps this job runs: pipeline curate's, or the demo's with curate in ``demo.methods``."""
+        pipeline = self.proving_ground.pipeline if self.pipeline == "proving_ground" else self.pipeline
+        if pipeline == "curate" or (pipeline == "demo" and "curate" in self.demo.methods):
+            return list(self.curate.steps)
+        return []
+
     def trains_bds(self) -> bool:
         """Whether this job trains BDS weights: bilevel's bds / online methods, or curate's bds step."""
         pipeline = self.proving_ground.pipeline if self.pipeline == "proving_ground" else self.pipeline
-        if pipeline == "curate":
-            return "bds" in self.curate.steps
-        return self.runs("bilevel") and bool({"bds", "online"} & set(self.bilevel.methods))
+        bilevel = pipeline != "curate" and self.runs("bilevel") and bool({"bds", "online"} & set(self.bilevel.methods))
+        return bilevel or "bds" in self.curate_steps_run()
 
     def bds_batch_problems(self) -> list[str]:
         """BDS splits every effective batch into bilevel.val_batch validation rows and the rest candidates, each

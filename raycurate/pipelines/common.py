@@ -61,7 +61,7 @@ def check_model_settings(cfg: JobConfig) -> None:
 
     name = cfg.model.name_or_path
     problems = []
-    if cfg.runs("bridge"):
+    if cfg.runs("bridge") or "bridge" in cfg.curate_steps_run():
         layers = model_settings(name).get("num_hidden_layers")
         if isinstance(layers, int) and cfg.bridge.last_layers > layers:
             problems.append(f"bridge.last_layers: {cfg.bridge.last_layers} is more than the {layers} layers of "
