@@ -170,7 +170,7 @@ def test_response_side_note_and_report_show_both_proxies_and_both_shifts(tmp_pat
          "ranking_shift_top": top}))
     html = section_bridge(tmp_path, {"stages": {"bridge_select": {"status": "done", "metrics": {}}}})
     assert "knockout_grad" in html and "Attention alone gives 0.05" in html
-    assert "prompt shift (random nested)" in html and "prompt shift (Top-b)" in html
+    assert "prompt shift (random subsets)" in html and "prompt shift (top-b)" in html
     assert "0.320" in html and "0.050" in html
 
 

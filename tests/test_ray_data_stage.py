@@ -85,7 +85,8 @@ def test_ray_data_progress_bars_follow_run_progress(tmp_path, monkeypatch, progr
     monkeypatch.setattr(runtime, "init_ray", lambda **kwargs: None)  # the setting is driver-side: no cluster needed
     ctx = ray.data.DataContext.get_current()
     monkeypatch.setattr(ctx, "enable_progress_bars", not progress)
-    cfg = from_dict(JobConfig, {"run": {"name": "p", "runs_dir": str(tmp_path), "progress": progress}})
+    cfg = from_dict(JobConfig, {"pipeline": "sft", "run": {"name": "p", "runs_dir": str(tmp_path),
+                                                          "progress": progress}})
     try:
         open_run(cfg)
     finally:
