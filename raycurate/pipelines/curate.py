@@ -276,9 +276,9 @@ def reference_models(run: RunDir, cfg: JobConfig) -> dict[str, dict]:
         ``{model: held-out metrics}`` for base, mixed and clean.
     """
     from raycurate.config.curate import POOL_SPLIT
-    from raycurate.pipelines.demo import clean_rows
     from raycurate.stages.data_stages import filter_tokens_stage
     from raycurate.stages.model_stages import evaluate_stage, train_stage
+    from raycurate.stages.rows import clean_rows
 
     filter_tokens_stage(run, "curate_clean_rows", tokens_stage="curate_pool_rows",
                         description=f"split == {POOL_SPLIT} and label.clean == true", keep=clean_rows,

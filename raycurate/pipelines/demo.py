@@ -7,7 +7,6 @@ eval_base / eval_mixed / eval_clean -> report.html.  Re-running skips every stag
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from raycurate.config.schema import DEMO_METHODS, JobConfig
 from raycurate.pipelines.common import lm_eval_models, open_run, prepare_data, record_heldout, write_report
@@ -18,17 +17,11 @@ log = logging.getLogger("raycurate")
 LM_EVAL_MODELS = ("base", "mixed", "clean", "curate", "bridge", "p2d", "bilevel_bds", "bilevel_online")
 
 
-def clean_rows(table: Any) -> Any:
-    """Boolean mask of rows whose ground-truth label says the response is clean."""
-    import pyarrow.compute as pc
-
-    return pc.struct_field(table["label"], "clean")
-
-
 def run_demo(cfg: JobConfig) -> dict:
     """Run the demo pipeline; returns the final manifest (with ``results`` comparing the models)."""
     from raycurate.stages.data_stages import filter_tokens_stage
     from raycurate.stages.model_stages import evaluate_stage, train_stage
+    from raycurate.stages.rows import clean_rows
 
     run = open_run(cfg)
     records = prepare_data(run, cfg)

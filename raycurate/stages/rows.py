@@ -83,3 +83,10 @@ def precision(chosen: list[str], labels: dict[str, Any]) -> float | None:
     """Share of clean rows among ``chosen`` (None without labels)."""
     known = [labels[i] for i in chosen if labels.get(i) is not None]
     return sum(bool(v) for v in known) / len(known) if known else None
+
+
+def clean_rows(table: Any) -> Any:
+    """A token-table filter: the rows whose ground-truth label says the response is clean."""
+    import pyarrow.compute as pc
+
+    return pc.struct_field(table["label"], "clean")
