@@ -219,26 +219,37 @@ def _launch(label: str, *args, **kwargs) -> dict:
     return metrics
 
 
+@pytest.fixture(scope="module")
+def zero2_resumed(ray_local, tiny_model, token_table, tmp_path_factory) -> dict:
+    """ZeRO-2 on 2 workers: 2 steps (checkpoint at step 2), then the same storage and output resumed to step 4.
+
+    Run once per module: the checkpoint/resume test reads it, and the ZeRO-3 offload test compares against it. Weight
+    decay 0.1 (matrices only) is what the ZeRO-3 comparison needs; the checkpoint/resume facts do not depend on it.
+    """
+    root = tmp_path_factory.mktemp("zero2_resumed")
+    out, storage = str(root / "model"), str(root / "ray_storage")
+    # 2 workers x micro 1 x accum 2 = effective 4 -> 4 steps per epoch.
+    first = _launch("deepspeed zero2 2 steps", token_table, tiny_model, out, _zero_cfg(weight_decay=0.1),
+                    storage_dir=storage, name="sft")
+    checkpoints_after_first = sorted(os.listdir(os.path.join(storage, "sft")))
+    second = _launch("deepspeed zero2 resume to 4", token_table, tiny_model, out,
+                     _zero_cfg(weight_decay=0.1, max_steps=4), storage_dir=storage, name="sft")
+    return {"first": first, "second": second, "checkpoints_after_first": checkpoints_after_first, "out": out}
+
+
 @pytest.mark.slow
 @pytest.mark.ray
-def test_deepspeed_zero2_two_workers_checkpoint_and_resume(ray_local, tiny_model, token_table, tmp_path):
+def test_deepspeed_zero2_two_workers_checkpoint_and_resume(zero2_resumed, tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out, storage = str(tmp_path / "model"), str(tmp_path / "ray_storage")
-    # 2 workers x micro 1 x accum 2 = effective 4 -> 4 steps per epoch.
-    cfg = TrainConfig(engine="deepspeed", zero_stage=2, num_workers=2, micro_batch_size=1, effective_batch_size=4,
-                      max_steps=2, checkpoint_every_steps=2, lr=1e-2, log_every_steps=1)
-    first = _launch("deepspeed zero2 2 steps", token_table, tiny_model, out, cfg, storage_dir=storage, name="sft")
+    first, second, out = zero2_resumed["first"], zero2_resumed["second"], zero2_resumed["out"]
     assert first["start_step"] == 0 and first["steps"] == 2 and first["world_size"] == 2
-    assert os.path.isdir(os.path.join(storage, "sft", "checkpoint_step_00000002"))
+    assert "checkpoint_step_00000002" in zero2_resumed["checkpoints_after_first"]
 
-    cfg.max_steps = 4
-    second = _launch("deepspeed zero2 resume to 4", token_table, tiny_model, out, cfg, storage_dir=storage,
-                     name="sft")
     assert second["start_step"] == 2 and second["steps"] == 4
     assert len(second["loss_per_step"]) == 4
     assert second["loss_per_step"][:2] == first["loss_per_step"]
-    # The extended run follows its own 4-step cosine (no warmup: round(0.03 * 4) = 0) from step 3 on.
+    # The extended run follows its own 4-step cosine (no warmup: warmup_ratio 0) from step 3 on.
     assert second["lr_per_step"][2:] == pytest.approx([1e-2 * cosine_with_warmup(s, 0, 4) for s in (2, 3)])
     assert all(np.isfinite(second["loss_per_step"]))
 
@@ -618,11 +629,11 @@ def test_zero2_offload_resumes_on_one_worker_like_on_two(ray_local, tiny_model, 
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_zero3_param_and_optimizer_offload_resume_on_one_worker(ray_local, tiny_model, token_table, tmp_path):
+def test_zero3_param_and_optimizer_offload_resume_on_one_worker(ray_local, tiny_model, token_table, tmp_path,
+                                                                zero2_resumed):
     # Weight decay on the matrices only: the resume must keep the no-decay group's 0 (DeepSpeed's stage-3
     # universal loader copies the first group's hyper-parameters into every group; we repair that).
-    reference = _extend(token_table, tiny_model, tmp_path, "zero2 2->2", _zero_cfg(weight_decay=0.1),
-                        _zero_cfg(weight_decay=0.1, max_steps=4))
+    reference = {"metrics": zero2_resumed["second"], "out": zero2_resumed["out"]}  # zero2 2->2, weight decay 0.1
     zero3 = dict(zero_stage=3, offload_optimizer=True, offload_params=True, weight_decay=0.1)
     resumed = _extend(token_table, tiny_model, tmp_path, "zero3 offload 2->1", _zero_cfg(**zero3),
                       _zero_cfg(**zero3, max_steps=4, num_workers=1))
