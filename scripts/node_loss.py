@@ -7,6 +7,7 @@ Usage::
     .venv/bin/python scripts/node_loss.py warm_tasks --out /tmp/node_loss_warm_tasks
     .venv/bin/python scripts/node_loss.py ray_data   --out /tmp/node_loss_ray_data
     .venv/bin/python scripts/node_loss.py training   --out /tmp/node_loss_training
+    .venv/bin/python scripts/node_loss.py scoring warm_tasks training:task:1 --out /tmp/node_loss_some
 
 Each scenario starts a :class:`ray.cluster_utils.Cluster` on loopback: a head node with 0 CPUs (the driver, the
 GCS and Ray Train's controller, which Ray pins to the driver's node) and two worker nodes with 1 CPU each, so every
@@ -40,6 +41,13 @@ runs the same with ``train.launcher=task`` (one Ray task, ``max_retries = train.
 
 Writes ``<out>/summary.json`` (timings, which node ran what, the killed node) and prints it;
 ``tests/test_node_loss.py`` runs this script and compares ``killed/`` with ``baseline/`` file by file.
+
+Several scenarios in one call (``training:<launcher>:<max_failures>`` names a training variant) run one after
+another on one cluster, each in ``<out>/<scenario>/`` with its own ``summary.json``: before each scenario the
+driver adds worker nodes until two are alive again (the previous scenario removed one), so a scenario sees the same
+two 1-CPU worker nodes as on a fresh cluster, without a cluster start per scenario (~2/3 of a small scenario's
+wall time).  Training variants with the same launcher share one uninterrupted run (the first variant's
+``baseline/``, copied): ``max_failures`` changes nothing until a worker dies.
 Node death is detected by the GCS health check, shortened here to ~1 s (``HEALTH_CHECK``); Ray's defaults take
 longer to declare a node dead, and the recovery waits for that.
 """
@@ -71,7 +79,10 @@ log = logging.getLogger("node_loss")
 # ------------------------------------------------------------------------------------------------ cluster
 
 
-def start_cluster(worker_nodes: int = 2) -> Any:
+WORKER_NODES = 2
+
+
+def start_cluster(worker_nodes: int = WORKER_NODES) -> Any:
     """Head (0 CPUs: only the driver's things run there) + ``worker_nodes`` 1-CPU nodes; the driver connected."""
     from ray.cluster_utils import Cluster
 
@@ -83,6 +94,23 @@ def start_cluster(worker_nodes: int = 2) -> Any:
     cluster.wait_for_nodes()
     init_ray(address=cluster.address)
     return cluster
+
+
+def refill_cluster(cluster: Any, worker_nodes: int = WORKER_NODES) -> int:
+    """Add 1-CPU worker nodes until ``worker_nodes`` are alive (a scenario removed one); returns how many were
+    added."""
+    import ray
+
+    alive = sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
+    for _ in range(worker_nodes - alive):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    deadline = time.time() + 60
+    while sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0) < worker_nodes:
+        if time.time() > deadline:
+            raise RuntimeError(f"fewer than {worker_nodes} worker nodes alive 60 s after adding nodes")
+        time.sleep(0.2)
+    return max(worker_nodes - alive, 0)
 
 
 def stop_cluster(cluster: Any) -> None:
@@ -228,13 +256,11 @@ def score_once(root: Path, inputs: dict[str, Path]) -> dict:
                        bridge_cfg=BridgeConfig(micro_batch=SHARD_ROWS), pool_cfg=pool, progress=False)
 
 
-def scoring(out: Path) -> dict:
+def scoring(out: Path, cluster: Any) -> dict:
     """Scenario A: a worker node dies while it scores shard 1 of 4."""
     import raycurate.stages.bridge as bridge
 
-    started = time.perf_counter()
-    cluster = start_cluster()
-    summary: dict[str, Any] = {"scenario": "scoring", "cluster_seconds": round(time.perf_counter() - started, 1)}
+    summary: dict[str, Any] = {"scenario": "scoring"}
     inputs = scoring_inputs(out / "inputs")
     bridge.BridgeScoreUDF = HoldingScoreUDF  # score_stage builds its actors from this name
     for label in ("baseline", "killed"):
@@ -252,7 +278,6 @@ def scoring(out: Path) -> dict:
                           "metrics": record["metrics"],
                           "calls": [json.loads(x) for x in (root / "calls.jsonl").read_text().splitlines()]}
     summary["nodes_alive_after"] = _alive_nodes()
-    stop_cluster(cluster)
     return summary
 
 
@@ -282,14 +307,12 @@ class HoldingSquareUDF:
         return batch.append_column("square", pc.multiply(batch["i"], batch["i"]))
 
 
-def warm_tasks(out: Path) -> dict:
+def warm_tasks(out: Path, cluster: Any) -> dict:
     """Scenario C: a worker node dies during a warm-task map (the held-out evaluation's runtime), in group 2 of 4."""
     from raycurate.stages.ray_data import PoolResources
     from raycurate.stages.warm_tasks import map_rows_on_tasks
 
-    started = time.perf_counter()
-    cluster = start_cluster()
-    summary: dict[str, Any] = {"scenario": "warm_tasks", "cluster_seconds": round(time.perf_counter() - started, 1)}
+    summary: dict[str, Any] = {"scenario": "warm_tasks"}
     rows = [{"i": k} for k in range(8)]
     pool = PoolResources(num_actors=1, num_cpus=0.95, num_gpus=0, batch_size=2)
     for label in ("baseline", "killed"):
@@ -308,20 +331,17 @@ def warm_tasks(out: Path) -> dict:
         summary[label] = {"seconds": round(time.perf_counter() - t0, 1),
                           "calls": [json.loads(x) for x in (root / "calls.jsonl").read_text().splitlines()]}
     summary["nodes_alive_after"] = _alive_nodes()
-    stop_cluster(cluster)
     return summary
 
 
-def ray_data(out: Path) -> dict:
+def ray_data(out: Path, cluster: Any) -> dict:
     """Scenario D: a worker node dies inside a Ray Data actor-pool map (the tokenize / Ray Data stages' runtime:
     :func:`~raycurate.stages.ray_data.map_with_actor_pool`, order preserved as the stages set it), in batch 2 of 4."""
     import ray.data
 
     from raycurate.stages.ray_data import PoolResources, dataset_from_rows, map_with_actor_pool
 
-    started = time.perf_counter()
-    cluster = start_cluster()
-    summary: dict[str, Any] = {"scenario": "ray_data", "cluster_seconds": round(time.perf_counter() - started, 1)}
+    summary: dict[str, Any] = {"scenario": "ray_data"}
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     ray.data.DataContext.get_current().enable_progress_bars = False
     rows = [{"i": k} for k in range(8)]
@@ -344,7 +364,6 @@ def ray_data(out: Path) -> dict:
         summary[label] = {"seconds": round(time.perf_counter() - t0, 1),
                           "calls": [json.loads(x) for x in (root / "calls.jsonl").read_text().splitlines()]}
     summary["nodes_alive_after"] = _alive_nodes()
-    stop_cluster(cluster)
     return summary
 
 
@@ -395,23 +414,30 @@ def train_config(max_failures: int, launcher: str) -> Any:
                        log_every_steps=1, max_failures=max_failures)
 
 
-def training(out: Path, max_failures: int = 1, launcher: str = "ray_train") -> dict:
+def training(out: Path, cluster: Any, max_failures: int = 1, launcher: str = "ray_train",
+             baseline: tuple[dict, Path] | None = None) -> dict:
     """Scenario B: a worker node dies after step 3 of 4 (checkpoint at step 2).
 
     With ``max_failures >= 1`` Ray Train restarts the worker group inside the same ``fit()``; with 0 the run fails
     and a second ``run_sft`` on the same storage (what re-running the stage does) resumes from the checkpoint.
     ``launcher="task"``: one Ray task, retried ``max_failures`` times (``train.launcher=task``).
+
+    ``baseline``: ``(summary, folder)`` of an uninterrupted run of another variant with the same launcher (the same
+    run: ``max_failures`` matters only once a worker dies), copied instead of training it again.
     """
+    import shutil
+
     import raycurate.stages.train as train
 
-    started = time.perf_counter()
-    cluster = start_cluster()
-    summary: dict[str, Any] = {"scenario": "training", "max_failures": max_failures, "launcher": launcher,
-                               "cluster_seconds": round(time.perf_counter() - started, 1)}
+    summary: dict[str, Any] = {"scenario": "training", "max_failures": max_failures, "launcher": launcher}
     inputs = training_inputs(out / "inputs")
     real_launch = train.launch_trainer
     for label in ("baseline", "killed"):
         root = out / label
+        if label == "baseline" and baseline is not None:
+            shutil.copytree(baseline[1] / "model", root / "model")
+            summary[label] = {**baseline[0], "copied_from": str(baseline[1])}
+            continue
         root.mkdir(parents=True)
         marker = root / "hold.json"
         if label == "killed":
@@ -444,7 +470,6 @@ def training(out: Path, max_failures: int = 1, launcher: str = "ray_train") -> d
         if label == "killed":
             summary[label]["workers"] = [json.loads(x) for x in (root / "workers.jsonl").read_text().splitlines()]
     summary["nodes_alive_after"] = _alive_nodes()
-    stop_cluster(cluster)
     return summary
 
 
@@ -455,27 +480,76 @@ def _alive_nodes() -> int:
 
 
 SCENARIOS = {"scoring": scoring, "warm_tasks": warm_tasks, "ray_data": ray_data, "training": training}
+LAUNCHERS = ("ray_train", "task")
+
+
+def scenario_options(name: str, max_failures: int, launcher: str) -> tuple[str, dict]:
+    """``(scenario function name, its keyword options)`` of a scenario argument: a name of ``SCENARIOS``, or
+    ``training:<launcher>:<max_failures>`` (plain ``training`` takes ``--launcher`` / ``--max-failures``)."""
+    base, _, variant = name.partition(":")
+    if base not in SCENARIOS or (variant and base != "training"):
+        raise ValueError(f"unknown scenario {name!r}: one of {', '.join(sorted(SCENARIOS))} or "
+                         "training:<launcher>:<max_failures>")
+    if base != "training":
+        return base, {}
+    if variant:
+        launcher, _, failures = variant.partition(":")
+        if launcher not in LAUNCHERS or not failures.isdigit():
+            raise ValueError(f"bad training variant {name!r}: training:<{'|'.join(LAUNCHERS)}>:<max_failures>")
+        max_failures = int(failures)
+    return base, {"max_failures": max_failures, "launcher": launcher}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("scenario", nargs="+", help=f"one or more of {', '.join(sorted(SCENARIOS))}, or "
+                        "training:<launcher>:<max_failures>; several run one after another on one cluster, each in "
+                        "<out>/<scenario>/")
     parser.add_argument("--out", required=True, type=Path, help="an empty or new folder for the runs and summary")
     parser.add_argument("--max-failures", type=int, default=1,
                         help="training: train.max_failures (0: the run fails and a second run_sft resumes)")
-    parser.add_argument("--launcher", choices=("ray_train", "task"), default="ray_train",
-                        help="training: train.launcher")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="ray_train", help="training: train.launcher")
     args = parser.parse_args(argv)
+    try:
+        plan = [(name, *scenario_options(name, args.max_failures, args.launcher)) for name in args.scenario]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if len({name for name, _, _ in plan}) != len(plan):
+        parser.error("a scenario is named twice")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     if any(args.out.iterdir()):
         parser.error(f"--out {args.out} is not empty")
+    out = args.out.resolve()
     started = time.perf_counter()
-    options = {"max_failures": args.max_failures, "launcher": args.launcher} if args.scenario == "training" else {}
-    summary = SCENARIOS[args.scenario](args.out.resolve(), **options)
-    summary["total_seconds"] = round(time.perf_counter() - started, 1)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary))
+    cluster = start_cluster()
+    start_seconds = time.perf_counter() - started
+    summaries: dict[str, dict] = {}
+    baselines: dict[str, tuple[dict, Path]] = {}  # launcher -> its uninterrupted training run (summary, folder)
+    try:
+        for index, (name, base, options) in enumerate(plan):
+            scenario_started = time.perf_counter()
+            if index:
+                refill_cluster(cluster)
+            setup_seconds = time.perf_counter() - scenario_started if index else start_seconds
+            folder = out if len(plan) == 1 else out / name.replace(":", "_")
+            folder.mkdir(exist_ok=True)
+            if base == "training" and options["launcher"] in baselines:
+                options = {**options, "baseline": baselines[options["launcher"]]}
+            summary = SCENARIOS[base](folder, cluster, **options)
+            if base == "training":
+                baselines.setdefault(options["launcher"], (summary["baseline"], folder / "baseline"))
+            summary["cluster_seconds"] = round(setup_seconds, 1)  # the cluster's start, or the nodes added back
+            summary["total_seconds"] = round(time.perf_counter() - scenario_started + (0 if index else start_seconds),
+                                             1)
+            (folder / "summary.json").write_text(json.dumps(summary, indent=1))
+            summaries[name] = summary
+    finally:
+        stop_cluster(cluster)
+    if len(plan) > 1:
+        (out / "summary.json").write_text(json.dumps(
+            {"scenarios": list(summaries), "total_seconds": round(time.perf_counter() - started, 1)}, indent=1))
+    print(json.dumps(summaries if len(plan) > 1 else summaries[plan[0][0]]))
     return 0
 
 
