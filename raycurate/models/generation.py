@@ -61,6 +61,7 @@ def generate_greedy(
             attention_mask=mask.to(device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
+            use_cache=True,  # explicit: a checkpoint saved by training says use_cache=false in its config.json
             eos_token_id=list(stop),
             pad_token_id=pad_id,
         )

@@ -189,7 +189,7 @@ def _sample_chunk(model: torch.nn.Module, prompts: Sequence[Sequence[int]], row_
     logprobs_out: list[torch.Tensor] = []
     stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=device)
     cache_keyword = _cache_keyword()
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         logits = out.logits[:, -1, :].float()  # (R, V)
         token = _next_tokens(logits, temperature, top_p, row_generators, n).to(device)
         logprob = torch.log_softmax(logits, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)  # (R,) temperature 1
@@ -197,7 +197,7 @@ def _sample_chunk(model: torch.nn.Module, prompts: Sequence[Sequence[int]], row_
         tokens_out.append(token)
         logprobs_out.append(logprob)
         running = running & ~torch.isin(token, stop_ids)
-        if not bool(running.any()):
+        if not bool(running.any()) or step == max_new_tokens - 1:  # the last token needs no forward pass
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
         out = model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask,
