@@ -73,6 +73,15 @@ class EvalConfig:
                         "results.<split> in the manifest.", choices=("heldout", "validation"))
     pool: ActorPoolConfig = option(ActorPoolConfig(num_actors=2, batch_size=50),
                                  "Evaluation workers: num_actors Ray tasks, batch_size questions per call.")
+    dtype: str = option(
+        "auto", "Precision of the evaluated model. auto: each checkpoint as stored, a LoRA adapter folder merged onto "
+        "its base in float32. float32: every weight in float32. bfloat16: the weights in bf16 and a LoRA adapter "
+        "folder unmerged, its adapter in float32 beside its bf16 base (nothing of the update rounded away; activations "
+        "are bf16); a full checkpoint is cast to bf16, which rounds most of a small fp32 update away (merged LoRA "
+        "exports, P2D head deltas). On a SmolLM2-135M LoRA arm bf16 was 1.2-1.3x faster on CPU and changed 6.7% of "
+        "the greedy answers, exact match within noise (benchmarks/RESULTS.md). In the stage hash only where a "
+        "model loads differently than with auto, so finished runs keep their evaluations.",
+        choices=("auto", "float32", "bfloat16"))
     lm_eval_tasks: list[str] = option(
         [], "lm-eval tasks run on each main trained model: raycurate_heldout_em / raycurate_heldout_gold_ll (the "
         "embedded held-out set) and named harness tasks (arc_challenge, hellaswag, mmlu, humaneval, gsm8k, "

@@ -7,6 +7,9 @@ Decisions:
 * An adapter-only folder (a LoRA run's export, ``train.export: adapter``: ``adapter_config.json``, the adapter's
   weights and tokenizer files, no ``config.json``) loads as its base (``base_model_name_or_path``) with the adapter
   merged in float32 (:func:`adapter_base`, :func:`config_dir`), so every stage reads it like a full checkpoint.
+  ``load_model(..., unmerged_adapter=True)`` keeps it unmerged instead (a PEFT model: the base in ``dtype``, the
+  adapter in float32), which lets held-out evaluation run the frozen base in bf16 without rounding the update away
+  (``eval.dtype``, :mod:`raycurate.models.precision`).
 * :func:`check_model_source` says, before any stage runs, whether a model path can work (a tiny preset, or a
   folder with ``config.json``, weights and tokenizer files), so a wrong ``--model`` is one clear error instead of
   a tokenizer traceback several stages later.
@@ -22,6 +25,7 @@ Decisions:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -34,6 +38,8 @@ from raycurate.models.tiny import TINY_PRESETS, build_tiny_model, is_preset
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger("raycurate")
 
 DTYPES = ("auto", "float32", "bfloat16")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -122,6 +128,33 @@ def _load_adapter_merged(adapter_dir: str, base_dir: str, *, dtype: str, attn_im
     return model.to(device).eval()
 
 
+def _load_adapter_unmerged(adapter_dir: str, base_dir: str, *, dtype: str, attn_implementation: str,
+                           device: str) -> PreTrainedModel:
+    """The base in ``dtype`` (``"auto"``: as stored) with the adapter of ``adapter_dir`` beside it, unmerged, its
+    weights in float32 (a ``peft.PeftModel``).
+
+    Each LoRA layer computes ``base(x)`` in the base's dtype and ``B(A(x)) * scale`` in float32 on ``x`` cast to
+    float32, and returns their sum in the base's dtype: on a bf16 base the activations are bf16, as in training with
+    ``train.frozen_dtype=bfloat16``, while the update's weights keep every bit (merged into bf16 weights, most of it
+    would round away). A chain (the base is itself an adapter folder) is merged in float32 instead, since one PEFT
+    model holds one base: no stage trains an adapter on an adapter today.
+    """
+    import torch
+    from peft import PeftModel
+
+    if adapter_base(base_dir) is not None:
+        log.warning("%s is an adapter of the adapter %s: loading it merged in float32 (an unmerged chain is not "
+                    "supported)", adapter_dir, base_dir)
+        return _load_adapter_merged(adapter_dir, base_dir, dtype="float32", attn_implementation=attn_implementation,
+                                    device=device)
+    base = load_model(base_dir, dtype=dtype, attn_implementation=attn_implementation)
+    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=False, autocast_adapter_dtype=True)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(torch.float32)  # PEFT upcasts bf16/fp16 adapters only; keep every one fp32
+    return model.to(device).eval()
+
+
 def load_model(
     path_or_preset: str,
     *,
@@ -130,6 +163,7 @@ def load_model(
     device: str = "cpu",
     tokenizer: PreTrainedTokenizerBase | None = None,
     seed: int = 0,
+    unmerged_adapter: bool = False,
 ) -> PreTrainedModel:
     """Load a causal LM from a local HF checkpoint directory, or build an untrained tiny preset.
 
@@ -145,6 +179,8 @@ def load_model(
         device: Device to move the model to.
         tokenizer: Only for presets: supplies the vocabulary.
         seed: Only for presets: initialisation seed.
+        unmerged_adapter: Only for adapter-only folders: keep the adapter unmerged in float32 beside its base loaded
+            in ``dtype`` (:func:`_load_adapter_unmerged`; a ``peft.PeftModel``) instead of merging it in float32.
 
     Returns:
         The model in eval mode on ``device``.
@@ -166,8 +202,8 @@ def load_model(
         return model.to(device)
     base = adapter_base(path_or_preset) if os.path.isdir(path_or_preset) else None
     if base is not None:
-        return _load_adapter_merged(path_or_preset, base, dtype=dtype, attn_implementation=attn_implementation,
-                                    device=device)
+        load = _load_adapter_unmerged if unmerged_adapter else _load_adapter_merged
+        return load(path_or_preset, base, dtype=dtype, attn_implementation=attn_implementation, device=device)
     if not os.path.isfile(os.path.join(path_or_preset, "config.json")):
         raise FileNotFoundError(
             f"{path_or_preset!r} is not a local HF checkpoint directory (no config.json there); pass a directory "

@@ -107,20 +107,22 @@ def train_stage(run: RunDir, stage: str, *, tokens_stage: str, init_stage: str, 
 
 
 class EvaluateUDF:
-    """Ray Data actor: greedy answers and gold-response loss for held-out questions."""
+    """Ray Data actor: greedy answers and gold-response loss for held-out questions; the model in ``dtype``
+    (``eval.dtype``, :func:`raycurate.models.precision.load_eval_model`)."""
 
     REQUIRED_COLUMNS = ("id", "prompt", "response", "label")
 
     def __init__(self, model_dir: str, max_length: int, max_new_tokens: int, batch_size: int, threads: int,
                  samples: int = 0, temperature: float = 1.0, seed: int = 0, stage: str = "evaluate",
-                 system_prompt: str = "default"):
+                 system_prompt: str = "default", dtype: str = "auto"):
         import torch
 
-        from raycurate.models.loading import best_device, load_model, load_tokenizer
+        from raycurate.models.loading import best_device, load_tokenizer
+        from raycurate.models.precision import load_eval_model
 
         torch.set_num_threads(max(1, threads))
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_model(model_dir, device=best_device()).eval()
+        self.model = load_eval_model(model_dir, dtype, device=best_device())
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
@@ -293,7 +295,7 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
             {"model_dir": str(model_dir), "max_length": max_length, "max_new_tokens": eval_cfg.max_new_tokens,
              "batch_size": eval_cfg.batch_size, "threads": max(1, int(round(pool.num_cpus))),
              "samples": eval_cfg.samples, "temperature": eval_cfg.temperature, "seed": eval_cfg.seed,
-             "stage": stage, "system_prompt": system_prompt},
+             "stage": stage, "system_prompt": system_prompt, "dtype": eval_cfg.dtype},
             pool, progress=progress_bars_enabled(),
         )
         result = pa.Table.from_pylist(predictions).sort_by("id")
@@ -303,7 +305,7 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
                                           for k, v in metrics.items()))
         return StageOutput(outputs={"predictions": "predictions.parquet"}, metrics=metrics)
 
-    return run_stage(run, stage, body, config=heldout_eval_config(eval_cfg, max_length, system_prompt),
+    return run_stage(run, stage, body, config=heldout_eval_config(eval_cfg, max_length, system_prompt, str(model_dir)),
                      upstream=[model_stage, heldout_stage], force=force)
 
 
@@ -316,14 +318,30 @@ def question_file(run: RunDir, stage: str, split: str) -> Path:
     return output_path(run, stage, split)
 
 
-def heldout_eval_config(eval_cfg: EvalConfig, max_length: int, system_prompt: str = "default") -> dict:
+def heldout_eval_config(eval_cfg: EvalConfig, max_length: int, system_prompt: str = "default",
+                        model_dir: str | None = None) -> dict:
     """What the held-out predictions depend on: every ``eval`` setting except the ``lm_eval_*`` ones, so changing
     those re-runs only the ``lm_eval_*`` stages, while a setting added later is keyed by default; and the system
-    prompt when it is not ``"default"`` (so runs from before the option keep their stage hashes)."""
+    prompt when it is not ``"default"`` (so runs from before the option keep their stage hashes).
+
+    ``eval.dtype`` enters as the precision ``model_dir`` is evaluated in (:func:`raycurate.models.precision.eval_plan`)
+    and only when that differs from how evaluation loaded it before the option: a model that loads as before keeps
+    its stage hash, whatever the setting. Without ``model_dir`` the setting enters unless it is ``auto``.
+    """
+    from raycurate.models.precision import eval_plan, legacy_eval_plan
+
     settings = {f.name: getattr(eval_cfg, f.name) for f in dataclasses.fields(eval_cfg)
                 if not f.name.startswith("lm_eval_")}
     if settings.get("split") == "heldout":  # the default is left out, so runs from before the option keep hashes
         del settings["split"]
+    dtype = settings.pop("dtype", "auto")
+    if model_dir is None:
+        if dtype != "auto":
+            settings["dtype"] = dtype
+    else:
+        plan = eval_plan(model_dir, dtype)
+        if plan != legacy_eval_plan(model_dir):
+            settings["precision"] = plan
     config = {"eval": settings, "max_length": max_length}
     if system_prompt != "default":
         config["system_prompt"] = system_prompt
