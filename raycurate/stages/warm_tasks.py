@@ -1,10 +1,11 @@
-"""Map a callable class over in-memory rows on Ray tasks, whose worker processes Ray keeps warm between stages.
+"""Map a callable class over in-memory rows on Ray tasks (held-out evaluation), one model load per task.
 
-A Ray Data actor pool starts new actor processes for every dataset, and an actor's process exits with it, so each
-actor-pool stage pays Python, torch and transformers imports again (~4 s for two actors at once on 2 cores). Ray
-hands a finished task's idle worker process to the next task instead, so a stage mapped on tasks pays those
-imports once per run (measured: two tasks that import torch + transformers and load the embedded model take 4.3 s
-in a fresh Ray instance and 0.02 s after that, on the same two worker processes).
+Ray could hand a finished task's idle worker process to the next task, which would pay the Python, torch and
+transformers imports once per run (measured: two tasks that import them and load the embedded model took 4.3 s in
+a fresh Ray instance and 0.02 s after that). The tasks run with ``max_calls=1`` instead (below): a reused process
+carried a real-model training's 6.8 GB heap into the next task (#25). So each evaluation task pays imports and its
+model load: 5-15 s of imports and 2-5 s of SmolLM2 load per task on the loaded 2-core VM, about 3% of an
+evaluation's CPU time (issue #39, benchmarks/RESULTS.md), which does not pay for the memory risk.
 
 For small in-memory inputs such as the held-out questions of an evaluation; large inputs stay on Ray Data or
 :func:`raycurate.stages.sharded.sharded_map` (which stream, shard and resume).
