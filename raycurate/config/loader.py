@@ -405,7 +405,7 @@ def config_help(cls: type, section: str | None = None, width: int = 100) -> str:
         for f in dataclasses.fields(owner):
             tp = owner_hints[f.name]
             key = f"{prefix}{f.name}"
-            if dataclasses.is_dataclass(tp):
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
                 hints_of[key] = f.metadata.get("help", "")
                 nested.extend(fields(tp, key + "."))
             else:
@@ -429,7 +429,7 @@ def config_help(cls: type, section: str | None = None, width: int = 100) -> str:
             current = group
             lines.append("")
             lines += wrap(f"{group}: {hints_of.get(group, '')}" if group else "Top level:", "")
-        allowed = _allowed(f.metadata)
+        allowed = _allowed(dict(f.metadata))
         type_name = _type_name(tp).replace(" | NoneType", " or null").replace(" | ", " or ")
         lines.append(f"  {key}  ({type_name}, default {_yaml_flow(_default_of(f))}"
                      f"{'; ' + allowed if allowed else ''})")
