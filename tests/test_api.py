@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 import raycurate
-from raycurate.algorithms.composition import keep_count
 from raycurate.config.loader import ConfigError
 from raycurate.errors import InputError, UserError
 
@@ -129,12 +128,11 @@ def test_ingest_in_memory_rows_into_a_resumable_workspace(ray_local, tmp_path):
 
 
 def readme_example() -> str:
-    """The first python code block of README.md's "Python API" section."""
-    text = README.read_text()
-    section = text.split("## Python API", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "README.md's Python API section has no python code block"
-    return match.group(1)
+    """The python code block of README.md's "Python API" section with the building blocks (bridge_select)."""
+    section = README.read_text().split("## Python API", 1)[1].split("\n## ", 1)[0]
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "raycurate.bridge_select(" in b]
+    assert len(blocks) == 1, "README.md's Python API section needs one python block that calls bridge_select"
+    return blocks[0]
 
 
 def test_readme_example_is_extracted():
@@ -169,26 +167,27 @@ def readme_curate_example() -> str:
 def test_readme_curate_example_is_extracted():
     code = readme_curate_example()
     compile(code, "README.md", "exec")
-    assert 'steps=["dedup", "p2d", "bridge"]' in code and "raycurate.evaluate(curated" in code
+    assert 'trusted="checked.jsonl"' in code and 'out="curated"' in code
 
 
 @pytest.mark.slow
 @pytest.mark.ray
 def test_readme_curate_example_runs(ray_local, tmp_path, monkeypatch):
+    """The README's raycurate.curate example: the default recipe (the reference step) on a file and a trusted file,
+    every row accounted for in the outputs."""
+    from raycurate.config.curate import CurateConfig
+
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(readme_curate_example(), "README.md", "exec"), namespace)  # noqa: S102 - our own README
-    curated, scores = namespace["curated"], namespace["scores"]
-    composition = curated.metrics["composition"]
-    assert composition["steps"] == ["dedup", "p2d", "bridge"] and set(composition["arms"]) == {"composition"}
-    dedup, p2d = composition["step_info"]["dedup"], composition["step_info"]["p2d"]
-    assert p2d["kept_rows"] == keep_count(0.6, dedup["kept_rows"]) and dedup["kept_rows"] <= composition["pool_rows"]
-    assert curated.stage == "train_curate" and (curated.model_dir / "config.json").is_file()
-    assert scores.metrics["rows"] == 20 and 0.0 <= scores.metrics["exact_match"] <= 1.0
-    manifest = json.loads((tmp_path / "runs/curate_example/manifest.json").read_text())
-    assert {"curate_dedup", "p2d_select", "bridge_compact", "curate_rows", "train_curate", "eval_curate"} <= set(
-        manifest["stages"])
-    assert manifest["stages"]["tokenize"]["executions"] == 1  # prepared once: curate() and the pipeline share it
+    summary = namespace["curated"].metrics["summary"]
+    assert summary["settings"]["steps"] == CurateConfig().steps == ["reference"]
+    rows = summary["rows"]
+    kept = (tmp_path / "curated/curated.jsonl").read_text().splitlines()
+    dropped = (tmp_path / "curated/dropped.jsonl").read_text().splitlines()
+    assert rows["input"] == 200 == len(kept) + len(dropped) + rows["rejected"] and 0 < len(kept) < 200
+    manifest = json.loads((tmp_path / "curated/run/manifest.json").read_text())
+    assert manifest["stages"]["curate_trusted_fit"]["metrics"]["rows_kept"] == 45  # 60 minus 25% held out to calibrate
 
 
 @pytest.mark.slow

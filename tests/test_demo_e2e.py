@@ -36,7 +36,8 @@ def test_demo_end_to_end_resume_and_rerun_downstream_only(tiny_demo, tmp_path):
     methods = ("mixed", "clean", "bridge", "random", "token_cleaning")
     expected = {"corpus", "base_model", "ingest", "tokenize", "subset_clean", "eval_base",
                 *(f"train_{m}" for m in methods), *(f"eval_{m}" for m in methods),
-                "bridge_warmup_rows", "bridge_validation_rows", "bridge_selection_rows", "bridge_warmup",
+                "trusted", "tokenize_trusted",  # BRIDGE's direction reads the trusted set, not a validation split
+                "bridge_warmup_rows", "bridge_selection_rows", "bridge_warmup",
                 "bridge_direction", "bridge_score", "bridge_select", "bridge_compact", "bridge_diagnostics",
                 *(f"baseline_{b}_{k}" for b in ("random", "token_cleaning") for k in ("masks", "compact")),
                 *(f"lm_eval_{m}" for m in ("base", "mixed", "clean", "bridge"))}

@@ -372,7 +372,10 @@ def run_child(tmp_path: Path, out: Path, calls: Path, kill_after_shards: int | N
             return json.loads(line[len("METRICS "):])
         deadline = time.monotonic() + 120
         while len(list((out / "shards").glob("*.done"))) < kill_after_shards:
-            assert proc.poll() is None, "the child finished before it could be killed; make its shards slower"
+            if proc.poll() is not None:
+                output = proc.communicate()[0][-3000:]
+                assert proc.returncode != 0, "the child finished before it could be killed; make its shards slower"
+                raise AssertionError(f"the child failed (exit {proc.returncode}) before it could be killed:\n{output}")
             assert time.monotonic() < deadline, "no progress in the child"
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGKILL)

@@ -512,10 +512,10 @@ def test_a_trusted_file_that_is_all_held_out_questions_is_an_error(tmp_path, ray
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(1200)
-def test_default_steps_with_train_and_heldout(tmp_path, ray_local, capsys):
-    """bds then bridge (CurateConfig's defaults): BRIDGE's warmup rows are kept uncurated, the model trains on
-    exactly curated.jsonl's rows, and base / all rows / curated are compared on the held-out questions."""
-    from raycurate.config.curate import CurateConfig
+def test_bds_bridge_with_train_and_heldout(tmp_path, ray_local, capsys):
+    """bds then bridge: BRIDGE's warmup rows are kept uncurated, the model trains on exactly curated.jsonl's rows
+    (as many optimizer steps as all rows, curate.train_steps matched), and base / all rows / curated are compared
+    on the held-out questions."""
 
     data, trusted = write_inputs(tmp_path / "in")
     heldout = tmp_path / "in" / "heldout.jsonl"
@@ -527,18 +527,20 @@ def test_default_steps_with_train_and_heldout(tmp_path, ray_local, capsys):
     out = tmp_path / "out"
     started = time.time()
     code, _, err = run_cli(["curate", "--data", str(data), "--trusted", str(trusted), "--model", "embedded",
-                            "--out", str(out), "--train", "--heldout", str(heldout), *TINY,
+                            "--out", str(out), "--steps", "bds,bridge", "--train", "--heldout", str(heldout), *TINY,
                             "data.split_ratios={warmup: 0.3, validation: 0.0, selection: 0.7}"], capsys)
     print(f"[timing] raycurate curate e2e (bds, bridge, --train, --heldout): {time.time() - started:.1f} s")
     assert code == 0, err
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["settings"]["steps"] == CurateConfig().steps
+    assert summary["settings"]["steps"] == ["bds", "bridge"]
     rows = summary["rows"]
     kept = jsonl(out / "curated.jsonl")
     assert rows["input"] == len(kept) + rows["dropped"] + rows["rejected"] and rows["kept_uncurated"]["warmup"] > 0
     assert all("kept_prompt_spans" in r and "kept_response_spans" in r for r in kept)
     manifest = json.loads((out / "run/manifest.json").read_text())
     assert manifest["stages"]["curate_train_rows"]["metrics"]["rows"] == len(kept)
+    stages = manifest["stages"]
+    assert stages["train_curate"]["metrics"]["steps"] == stages["train_all"]["metrics"]["steps"]  # matched
     assert (out / "model" / "config.json").is_file() and summary["files"]["model"] == "model"
     block = summary["heldout"]
     assert block["questions"] == 5 and block["questions_with_answer"] == 4 and block["training_seeds"] == 1

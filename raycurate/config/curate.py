@@ -55,7 +55,9 @@ class CurateConfig:
     """Composable curation: example-level selection / weighting, then token-level selection, then one SFT."""
 
     steps: list[str] = option(
-        ["bds", "bridge"], "Ordered steps: dedup (drop near-duplicates), reference (keep the rows a LoRA reference "
+        ["reference"], "Ordered steps (default reference: it separated every corruption kind but near-duplicates "
+        "from clean rows on the real model, where BDS missed swapped numbers and BRIDGE / P2D lost to random; "
+        "docs/design.md): dedup (drop near-duplicates), reference (keep the rows a LoRA reference "
         "trained on the trusted set finds least surprising), bds (keep the top rows by the learned BDS weight), p2d "
         "(keep the top rows by the P2D ICL score), then at most one token-level step, last: mask (drop the loss of "
         "the response tokens the reference finds most surprising) or bridge (BRIDGE token selection). Each "
@@ -95,10 +97,11 @@ class CurateConfig:
         True, "Also train and evaluate, at the composition's response-token budget T, each single step alone over "
         "the full pool and seeded random rows, with paired bootstrap CIs of composition minus each.")
     train_steps: str = option(
-        "epochs", "How long a kept subset trains: epochs (train.epochs passes over its rows, so fewer steps than "
+        "matched", "How long a kept subset trains: epochs (train.epochs passes over its rows, so fewer steps than "
         "the whole pool) or matched (as many optimizer steps as train.epochs over the whole pool: more passes over "
-        "fewer rows, the same compute as SFT on every row). Applies to the composition, the single-step and random "
-        "arms and the clean reference; SFT on all rows defines the count.", choices=("epochs", "matched"))
+        "fewer rows, the same compute as SFT on every row; it beat epochs on the real model's validation "
+        "questions). Applies to the composition, the single-step and random arms, the clean reference and "
+        "raycurate curate --train; SFT on all rows defines the count.", choices=("epochs", "matched"))
     arms: list[str] | None = option(
         None, "With compare: the matched-budget arms to train, among the steps and random (null: every step of a "
         "composition of two or more, and random).")

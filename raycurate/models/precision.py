@@ -1,4 +1,4 @@
-"""The precision a held-out evaluation runs a model in (``eval.dtype``, issue #39).
+"""The precision a held-out evaluation runs a model in (``eval.dtype``).
 
 Decisions:
 
@@ -9,7 +9,7 @@ Decisions:
   PEFT model, :func:`raycurate.models.loading.load_model` with ``unmerged_adapter=True``); a full checkpoint is
   cast to bf16 (which rounds a fine-tuned fp32 checkpoint's small update). ``float32`` upcasts every weight.
 * **The default, ``auto``, stays the evaluation from before the option** (each checkpoint as stored, an adapter
-  merged in fp32). Measured on a SmolLM2 LoRA arm (300 held-out questions, benchmarks/RESULTS.md, #39): the bf16
+  merged in fp32). Measured on a SmolLM2 LoRA arm (300 held-out questions, benchmarks/RESULTS.md): the bf16
   path changed 6.7% of the greedy answer texts (near-ties in the answer's arithmetic, as often right as wrong:
   exact match +0.003 [-0.017, +0.023] greedy, -0.002 [-0.018, +0.015] sampled) for 1.2-1.3x less time on a
   loaded 2-core CPU, against the 98% agreement asked of a default. The base's weights are stored in bf16 and the

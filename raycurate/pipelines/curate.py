@@ -253,9 +253,11 @@ def matched_bridge(run: RunDir, cfg: JobConfig, pool: list[str], budget: int) ->
     return "curate_bridge_rows", {**record["metrics"], "rho_r": rho_r}
 
 
-def subset_train_config(run: RunDir, cfg: JobConfig, tokens_stage: str) -> TrainConfig:
+def subset_train_config(run: RunDir, cfg: JobConfig, tokens_stage: str,
+                        whole_stage: str = "curate_pool_rows") -> TrainConfig:
     """``train`` for a subset of the pool: as it is (``curate.train_steps: epochs``), or (``matched``) with as many
-    optimizer steps as ``train.epochs`` over the whole pool: ``max_steps`` that count and enough epochs to reach it.
+    optimizer steps as ``train.epochs`` over the whole pool (``whole_stage``'s rows): ``max_steps`` that count and
+    enough epochs to reach it.
     """
     if cfg.curate.train_steps == "epochs":
         return cfg.train
@@ -264,7 +266,7 @@ def subset_train_config(run: RunDir, cfg: JobConfig, tokens_stage: str) -> Train
     from raycurate.stages.rows import token_ids
     from raycurate.training.order import steps_per_epoch, total_steps
 
-    pool_steps = total_steps(len(token_ids(run, "curate_pool_rows")), cfg.train)
+    pool_steps = total_steps(len(token_ids(run, whole_stage)), cfg.train)
     per_epoch = steps_per_epoch(len(token_ids(run, tokens_stage)), cfg.train.effective_batch_size)
     return dataclasses.replace(cfg.train, epochs=math.ceil(pool_steps / per_epoch), max_steps=pool_steps)
 

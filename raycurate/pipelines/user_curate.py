@@ -378,7 +378,11 @@ def train_curated(run: RunDir, cfg: JobConfig) -> str:
         union_rows_stage(run, TRAIN_ROWS, tokens_stages=["curate_rows", UNCURATED_ROWS],
                          description="the rows of curated.jsonl")
         table = TRAIN_ROWS
-    train_stage(run, "train_curate", tokens_stage=table, init_stage="base_model", train_cfg=cfg.train)
+    from raycurate.pipelines.curate import subset_train_config
+
+    # curate.train_steps matched: as many optimizer steps as a fine-tune on every accepted row (train_all)
+    train_stage(run, "train_curate", tokens_stage=table, init_stage="base_model",
+                train_cfg=subset_train_config(run, cfg, table, whole_stage="tokenize"))
     return "train_curate"
 
 

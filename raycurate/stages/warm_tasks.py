@@ -3,9 +3,9 @@
 Ray could hand a finished task's idle worker process to the next task, which would pay the Python, torch and
 transformers imports once per run (measured: two tasks that import them and load the embedded model took 4.3 s in
 a fresh Ray instance and 0.02 s after that). The tasks run with ``max_calls=1`` instead (below): a reused process
-carried a real-model training's 6.8 GB heap into the next task (#25). So each evaluation task pays imports and its
-model load: 5-15 s of imports and 2-5 s of SmolLM2 load per task on the loaded 2-core VM, about 3% of an
-evaluation's CPU time (issue #39, benchmarks/RESULTS.md), which does not pay for the memory risk.
+carried a real-model training's 6.8 GB heap into the next task. So each evaluation task pays imports and its model
+load: 5-15 s of imports and 2-5 s of SmolLM2 load per task on the loaded 2-core VM, about 3% of an
+evaluation's CPU time (benchmarks/RESULTS.md), which does not pay for the memory risk.
 
 For small in-memory inputs such as the held-out questions of an evaluation; large inputs stay on Ray Data or
 :func:`raycurate.stages.sharded.sharded_map` (which stream, shard and resume).
