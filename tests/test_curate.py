@@ -51,7 +51,7 @@ def test_bad_steps_are_rejected_naming_the_field(steps, message):
 def test_other_curate_problems_name_the_field(override, key, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as err:
-        load_config(JobConfig, None, ["pipeline=curate", override])
+        load_config(JobConfig, None, ["pipeline=curate", "curate.steps=[bds]", override])
     assert key in str(err.value)
 
 
@@ -286,4 +286,6 @@ def test_matched_train_steps_give_a_subset_the_whole_pools_optimizer_steps(tmp_p
     cfg = JobConfig(train=train, curate=CurateConfig(train_steps="matched"))
     matched = subset_train_config(run, cfg, "kept")
     assert (matched.epochs, matched.max_steps) == (3, 110)  # 883 // 8 = 110 steps; 401 // 8 = 50 per epoch
-    assert subset_train_config(run, JobConfig(train=train), "kept") is train
+    assert subset_train_config(run, JobConfig(train=train), "kept") == matched  # matched is the default
+    assert subset_train_config(run, JobConfig(train=train, curate=CurateConfig(train_steps="epochs")), "kept") is train
+    assert subset_train_config(run, cfg, "kept", whole_stage="kept").max_steps == 50  # matched to another whole

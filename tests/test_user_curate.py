@@ -149,8 +149,11 @@ def test_cli_flags_and_api_keywords_make_the_same_request(tmp_path):
     # bridge needs its warmup split; the user command takes the steps and keep fraction from CurateConfig
     from raycurate.config.curate import CurateConfig
 
-    bridge = user_job_config([str(data)], [str(trusted)], str(tmp_path / "out"), "embedded", overrides=TINY)
-    assert bridge.curate.steps == CurateConfig().steps and bridge.curate.keep_fraction == CurateConfig().keep_fraction
+    default = user_job_config([str(data)], [str(trusted)], str(tmp_path / "out"), "embedded", overrides=TINY)
+    assert default.curate.steps == CurateConfig().steps == ["reference"]
+    assert default.curate.keep_fraction == CurateConfig().keep_fraction and default.data.split_ratios["warmup"] == 0
+    bridge = user_job_config([str(data)], [str(trusted)], str(tmp_path / "out"), "embedded", overrides=TINY,
+                             keys={"curate.steps": ["bds", "bridge"]})
     assert bridge.data.split_ratios["warmup"] > 0 and sum(bridge.data.split_ratios.values()) == pytest.approx(1)
 
 

@@ -85,7 +85,7 @@ class TrainConfig:
     )
     grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0)
     loss_normalization: str = option(
-        "example", "How a step's loss averages its supervised tokens: example (each row's tokens are averaged, then "
+        "token", "How a step's loss averages its supervised tokens: example (each row's tokens are averaged, then "
         "the rows, so every row counts the same) or token (every supervised token of the effective batch counts "
         "the same, as in HF Trainer, so a short row weighs less). On SmolLM2-135M, per-row averaging up-weights the "
         "one-line answers of short rows and LoRA SFT learns to skip the working (benchmarks/RESULTS.md).",
