@@ -25,3 +25,13 @@ def test_no_spec_sections_or_issue_numbers_in_the_package():
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
             if FORBIDDEN.search(line)]
     assert not hits, "cite docs/*.md (or state the decision) instead of:\n" + "\n".join(hits)
+
+
+def test_no_spec_sections_or_issue_numbers_in_the_jobs_sweeps_docs_and_readme():
+    root = PACKAGE.parent
+    paths = [root / "README.md", *sorted((root / "jobs").glob("*.yaml")), *sorted((root / "tune").glob("*")),
+             *sorted((root / "docs").glob("*.md"))]
+    hits = [f"{path.relative_to(root)}:{number}: {line.strip()}" for path in paths if path.is_file()
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if FORBIDDEN.search(line)]
+    assert not hits, "cite docs/*.md (or state the decision) instead of:\n" + "\n".join(hits)
