@@ -15,7 +15,8 @@ Prints ``uptime`` first and last (say the load when you record it), each wall ti
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_user_curate.py [--rows 1000] [--trusted 100] [--out runs/bench_user_curate]
+    .venv/bin/python benchmarks/bench_user_curate.py [--rows 1000] [--trusted 100] [--out runs/bench_user_curate] \\
+        [--threads N] [--model smollm2-135m]
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def main() -> int:
     p.add_argument("--trusted", type=int, default=100)
     p.add_argument("--out", default="runs/bench_user_curate")
     p.add_argument("--threads", type=int, default=0, help="train.threads_per_worker (0: the idle cores)")
+    p.add_argument("--model", default="smollm2-135m", help="embedded for a quick smoke run of the script")
     args = p.parse_args()
     out = (ROOT / args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
@@ -135,10 +137,10 @@ def main() -> int:
              "tokenize.num_actors=1", "p2d_pool.num_actors=1", "run.progress=false"]
     cli = [str(Path(sys.executable).parent / "raycurate")]
     print(uptime(), flush=True)
-    curate_s = timed([*cli, "curate", "--data", str(data), "--trusted", str(trusted), "--model", "smollm2-135m",
+    curate_s = timed([*cli, "curate", "--data", str(data), "--trusted", str(trusted), "--model", args.model,
                       "--out", str(out / "curated"), *train])
     print(f"curate: {curate_s:.0f} s", flush=True)
-    sft_s = timed([*cli, "train", "--data", str(data), "--model", "smollm2-135m", "--out", str(out / "sft"), *train])
+    sft_s = timed([*cli, "train", "--data", str(data), "--model", args.model, "--out", str(out / "sft"), *train])
     print(f"one LoRA SFT epoch (ingest + tokenize + train): {sft_s:.0f} s", flush=True)
     summary = json.loads((out / "curated/summary.json").read_text())
     print("rows:", json.dumps(summary["rows"]))
