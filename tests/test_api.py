@@ -173,15 +173,15 @@ def test_readme_curate_example_is_extracted():
 @pytest.mark.slow
 @pytest.mark.ray
 def test_readme_curate_example_runs(ray_local, tmp_path, monkeypatch):
-    """The README's raycurate.curate example: the default recipe (the reference step) on a file and a trusted file,
-    every row accounted for in the outputs."""
+    """The README's raycurate.curate example: the default recipe (dedup, then the reference step) on a file and a
+    trusted file, every row accounted for in the outputs."""
     from raycurate.config.curate import CurateConfig
 
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(readme_curate_example(), "README.md", "exec"), namespace)  # noqa: S102 - our own README
     summary = namespace["curated"].metrics["summary"]
-    assert summary["settings"]["steps"] == CurateConfig().steps == ["reference"]
+    assert summary["settings"]["steps"] == CurateConfig().steps == ["dedup", "reference"]
     rows = summary["rows"]
     kept = (tmp_path / "curated/curated.jsonl").read_text().splitlines()
     dropped = (tmp_path / "curated/dropped.jsonl").read_text().splitlines()

@@ -289,3 +289,17 @@ def test_matched_train_steps_give_a_subset_the_whole_pools_optimizer_steps(tmp_p
     assert subset_train_config(run, JobConfig(train=train), "kept") == matched  # matched is the default
     assert subset_train_config(run, JobConfig(train=train, curate=CurateConfig(train_steps="epochs")), "kept") is train
     assert subset_train_config(run, cfg, "kept", whole_stage="kept").max_steps == 50  # matched to another whole
+
+
+def test_composition_scores_rank_survivors_above_dropped_rows_then_by_the_last_score():
+    from raycurate.algorithms.composition import Step, compose, composition_scores
+
+    pool = ["a", "b", "c", "d", "e"]
+    steps = [Step("dedup", dropped=frozenset({"b"})),
+             Step("reference", scores={"a": 0.1, "b": 0.9, "c": 0.5, "d": 0.3, "e": 0.2})]
+    history = compose(pool, steps, 0.5, seed=0)  # dedup keeps a c d e; reference keeps the top 2 of 4: c d
+    assert history == [["a", "c", "d", "e"], ["c", "d"]]
+    scores = composition_scores(pool, steps, history)
+    # survived 2 steps: c, d; one step: a, e; none: b (its high reference score does not lift it)
+    assert sorted(pool, key=lambda i: -scores[pool.index(i)]) == ["c", "d", "e", "a", "b"]
+    assert composition_scores(pool, steps[:1], history[:1]).tolist() == [1, 0, 1, 1, 1]

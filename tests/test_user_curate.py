@@ -150,7 +150,7 @@ def test_cli_flags_and_api_keywords_make_the_same_request(tmp_path):
     from raycurate.config.curate import CurateConfig
 
     default = user_job_config([str(data)], [str(trusted)], str(tmp_path / "out"), "embedded", overrides=TINY)
-    assert default.curate.steps == CurateConfig().steps == ["reference"]
+    assert default.curate.steps == CurateConfig().steps == ["dedup", "reference"]
     assert default.curate.keep_fraction == CurateConfig().keep_fraction and default.data.split_ratios["warmup"] == 0
     bridge = user_job_config([str(data)], [str(trusted)], str(tmp_path / "out"), "embedded", overrides=TINY,
                              keys={"curate.steps": ["bds", "bridge"]})

@@ -184,3 +184,26 @@ def ledger(pool: Sequence[str], steps: Sequence[Step], keep_fraction: float, see
             raise ValueError(f"step {step.name!r} kept no rows; raise curate.keep_fraction or check the pool")
         passed[step.name] = len(kept)
     return Ledger(kept=kept, dropped=dropped, ranks=ranks, received=received, passed=passed)
+
+
+def composition_scores(pool: Sequence[str], steps: Sequence[Step], history: Sequence[Sequence[str]]) -> np.ndarray:
+    """(N,) one ranking score per pool row for the whole composition (for its AUROC): a row kept by more steps ranks
+    above one dropped earlier; within the same count, by the last ranking step's score rank (ties keep pool order).
+
+    Args:
+        pool: N pool ids.
+        steps: The example-level steps, in order.
+        history: :func:`compose`'s kept ids after each step.
+    """
+    survived = np.zeros(len(pool))
+    for kept in history:
+        chosen = set(kept)
+        survived += np.array([i in chosen for i in pool], dtype=np.float64)
+    ranking = [s for s in steps if s.scores is not None]
+    if not ranking:
+        return survived
+    scores = ranking[-1].scores
+    assert scores is not None
+    values = np.array([scores.get(i, -math.inf) for i in pool], dtype=np.float64)
+    within = np.argsort(np.argsort(values, kind="stable"), kind="stable") / max(len(pool), 1)  # in [0, 1)
+    return survived + within

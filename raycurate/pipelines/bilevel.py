@@ -87,7 +87,7 @@ def every_row(table: Any) -> Any:
 
 def near_duplicates(run: RunDir, cfg: JobConfig) -> list[str]:
     """Candidate ids the optional near-duplicate filter drops (``bilevel.dedup_threshold``; [] when off)."""
-    from raycurate.stages.bilevel_dedup import dedup_stage, flagged_ids
+    from raycurate.stages.dedup import dedup_stage, flagged_ids
 
     bilevel = cfg.bilevel
     if bilevel.dedup_threshold is None:

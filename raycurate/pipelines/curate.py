@@ -58,12 +58,13 @@ def score_step(run: RunDir, cfg: JobConfig, name: str) -> tuple[Step, dict]:
     from raycurate.config.curate import POOL_SPLIT
 
     if name == "dedup":
-        from raycurate.stages.bilevel_dedup import dedup_stage, flagged_ids
+        from raycurate.stages.dedup import dedup_stage, flagged_ids
 
         record = dedup_stage(run, "curate_dedup", tokens_stage="tokenize", split_column="split",
                              reference_split=cfg.bilevel.validation_split, candidate_split=POOL_SPLIT,
                              threshold=cfg.curate.dedup_threshold, seed=cfg.curate.seed,
-                             reference_stage=trusted_table(cfg))
+                             reference_stage=trusted_table(cfg), measure=cfg.curate.dedup_similarity,
+                             keep=cfg.curate.dedup_keep, num_perm=128, bands=32)
         return Step(name, dropped=frozenset(flagged_ids(run, "curate_dedup"))), dict(record["metrics"])
     if name == "bds":
         from raycurate.pipelines.bilevel import adapter_spec, bilevel_train_config, split_rows
@@ -309,6 +310,8 @@ class Composition:
         table: The token table after the token-level step (``bridge_compact``, ``curate_masked`` or the pool).
         composed: The record of stage ``curate_rows``: the kept rows of ``table`` (weighted in ``bds_mode:
             weight``), what the composition trains on.
+        separation: On labelled data, the AUROC (overall and per corruption kind) of the whole composition's
+            ranking (:func:`raycurate.algorithms.composition.composition_scores`); else empty.
     """
 
     pool: list[str]
@@ -317,6 +320,7 @@ class Composition:
     kept: list[str]
     table: str
     composed: dict
+    separation: dict = dataclasses.field(default_factory=dict)
 
 
 def compose_pool(run: RunDir, cfg: JobConfig) -> Composition:
@@ -347,7 +351,16 @@ def compose_pool(run: RunDir, cfg: JobConfig) -> Composition:
     composed = subset_rows_stage(run, "curate_rows", tokens_stage=table, ids=kept,
                                  weights=arm_weights(cfg, steps, kept, uses_bds="bds" in steps),
                                  description=f"composition {' -> '.join(curate.steps)}")
-    return Composition(pool=pool, steps=steps, step_info=step_info, kept=kept, table=table, composed=composed)
+    separation: dict = {}
+    if labels and history:
+        from raycurate.algorithms.composition import composition_scores
+        from raycurate.stages.rows import corruption_kinds, score_separation
+
+        ranking = composition_scores(pool, [steps[n] for n in example_steps], history)
+        found = score_separation(pool, ranking, labels, corruption_kinds(run, "curate_pool_rows"), curate.seed)
+        separation = {k: found[k] for k in ("auroc", "auroc_ci95", "auroc_by_kind") if k in found}
+    return Composition(pool=pool, steps=steps, step_info=step_info, kept=kept, table=table, composed=composed,
+                       separation=separation)
 
 
 def train_arms(run: RunDir, cfg: JobConfig, composition: Composition, *, evaluate: bool,
@@ -396,7 +409,8 @@ def record_composition(run: RunDir, cfg: JobConfig, composition: Composition, de
     scored = score_arms(run.root, run.load_manifest(), described)
     block = {"steps": list(curate.steps), "keep_fraction": curate.keep_fraction, "bds_mode": curate.bds_mode,
              "seed": curate.seed, "pool_rows": len(composition.pool), "budget_tokens": budget,
-             "step_info": composition.step_info, "arms": described, **scored}
+             "step_info": composition.step_info, "separation": composition.separation, "arms": described,
+             **scored}
     results = run.load_manifest().get("results") or {}
     run.update_manifest(results={**results, "composition": block})
     return block

@@ -1,7 +1,7 @@
 """Stages of composable curation: the training table of a set of kept rows (optionally weighted), and the response
 tokens per row that the matched token budget is counted in.
 
-The steps themselves reuse the method stages (:mod:`raycurate.stages.bilevel_dedup`, :mod:`raycurate.stages.bilevel`,
+The steps themselves reuse the method stages (:mod:`raycurate.stages.dedup`, :mod:`raycurate.stages.bilevel`,
 :mod:`raycurate.stages.p2d`, :mod:`raycurate.stages.bridge`); the ranking and budget arithmetic is
 :mod:`raycurate.algorithms.composition`.
 """
