@@ -134,7 +134,7 @@ def main() -> int:
              "train.lr=0.001", "train.epochs=1", "train.micro_batch_size=8", "train.effective_batch_size=8",
              "train.engine=deepspeed", "train.num_workers=1", "train.launcher=task",
              f"train.threads_per_worker={args.threads}", "train.loss_normalization=token", "data.max_length=384",
-             "tokenize.num_actors=1", "p2d_pool.num_actors=1", "run.progress=false"]
+             "run.progress=false"]  # pools as a user gets them (2 actors)
     cli = [str(Path(sys.executable).parent / "raycurate")]
     print(uptime(), flush=True)
     curate_s = timed([*cli, "curate", "--data", str(data), "--trusted", str(trusted), "--model", args.model,

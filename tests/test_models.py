@@ -333,3 +333,16 @@ def test_racing_callers_build_once(tmp_path, texts):
         thread.join()
     assert len(results) == 2 and results[0] == results[1]
     assert calls == [1]
+
+
+def test_small_checkpoints_count_an_adapters_base_weights(tmp_path):
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    base.mkdir()
+    adapter.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(b"\0" * 3000)
+    (base / "tokenizer.json").write_bytes(b"\0" * 5000)  # not a weight file
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "../base"}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 1000)
+    assert loading.is_small_checkpoint(base, limit=3000) and not loading.is_small_checkpoint(base, limit=2999)
+    assert loading.is_small_checkpoint(adapter, limit=4000) and not loading.is_small_checkpoint(adapter, limit=3999)

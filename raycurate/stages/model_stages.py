@@ -287,6 +287,8 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
     heldout = question_file(run, heldout_stage, eval_cfg.split)
 
     def body(out: Path) -> StageOutput:
+        from raycurate.models.loading import is_small_checkpoint
+
         rows = [json.loads(line) for line in heldout.read_text().splitlines() if line.strip()]
         pool = resolve_pool(eval_cfg.pool)
         # Tasks, not a Ray Data actor pool: the run's evaluations reuse warm worker processes (imports paid once).
@@ -296,7 +298,7 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
              "batch_size": eval_cfg.batch_size, "threads": max(1, int(round(pool.num_cpus))),
              "samples": eval_cfg.samples, "temperature": eval_cfg.temperature, "seed": eval_cfg.seed,
              "stage": stage, "system_prompt": system_prompt, "dtype": eval_cfg.dtype},
-            pool, progress=progress_bars_enabled(),
+            pool, progress=progress_bars_enabled(), reuse_workers=is_small_checkpoint(str(model_dir)),
         )
         result = pa.Table.from_pylist(predictions).sort_by("id")
         pq.write_table(result, out / "predictions.parquet")

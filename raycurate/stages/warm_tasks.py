@@ -1,11 +1,11 @@
 """Map a callable class over in-memory rows on Ray tasks (held-out evaluation), one model load per task.
 
-Ray could hand a finished task's idle worker process to the next task, which would pay the Python, torch and
-transformers imports once per run (measured: two tasks that import them and load the embedded model took 4.3 s in
-a fresh Ray instance and 0.02 s after that). The tasks run with ``max_calls=1`` instead (below): a reused process
-carried a real-model training's 6.8 GB heap into the next task. So each evaluation task pays imports and its model
-load: 5-15 s of imports and 2-5 s of SmolLM2 load per task on the loaded 2-core VM, about 3% of an
-evaluation's CPU time (benchmarks/RESULTS.md), which does not pay for the memory risk.
+Ray can hand a finished task's idle worker process to the next task, which pays the Python, torch and
+transformers imports once per run (two tasks that import them and load the embedded model: 4.3 s in a fresh Ray
+instance, 0.02 s after that). ``reuse_workers`` says whether to: yes for small models (the caller decides, e.g.
+:func:`raycurate.models.loading.is_small_checkpoint`), where the imports are most of an evaluation; no for real
+models (``max_calls=1``), whose processes exit so that no model-sized heap passes to the next task (a reused process
+once carried a real-model training's 6.8 GB into the next one; imports are ~3% of a SmolLM2 evaluation).
 
 For small in-memory inputs such as the held-out questions of an evaluation; large inputs stay on Ray Data or
 :func:`raycurate.stages.sharded.sharded_map` (which stream, shard and resume).
@@ -38,7 +38,7 @@ def _map_groups(udf: type, ctor_kwargs: dict, groups: list[list[dict]]) -> Itera
 
 
 def map_rows_on_tasks(rows: list[dict], udf: type, ctor_kwargs: dict, pool: PoolResources, *,
-                      progress: bool = True) -> list[dict]:
+                      progress: bool = True, reuse_workers: bool = False) -> list[dict]:
     """Apply ``udf`` to ``rows`` in groups of ``pool.batch_size`` on ``pool.num_actors`` concurrent Ray tasks.
 
     Group ``g`` goes to task ``g % tasks``; each task builds ``udf(**ctor_kwargs)`` once (one model load) and streams
@@ -53,6 +53,7 @@ def map_rows_on_tasks(rows: list[dict], udf: type, ctor_kwargs: dict, pool: Pool
         pool: Resources per task (``num_cpus``, ``num_gpus``), the number of tasks (``num_actors``) and the group
             size (``batch_size``).
         progress: Show a progress bar over groups.
+        reuse_workers: Let the tasks run in (and leave behind) reusable worker processes instead of fresh ones.
 
     Returns:
         The output rows of every group, in the tasks' order (sort them by a key if the order matters).
@@ -66,8 +67,8 @@ def map_rows_on_tasks(rows: list[dict], udf: type, ctor_kwargs: dict, pool: Pool
              pool.num_gpus, len(groups), pool.batch_size)
     # max_calls=1: each task loads its model once and streams all its groups; its process then exits rather than
     # hand a model-sized heap to whatever task Ray schedules on it next (a training, another evaluation).
-    remote = ray.remote(max_calls=1)(_map_groups).options(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
-                                                          num_returns="streaming")
+    remote = ray.remote(max_calls=0 if reuse_workers else 1)(_map_groups).options(
+        num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, num_returns="streaming")
     streams = [remote.remote(udf, ctor_kwargs, groups[k::tasks]) for k in range(tasks)]
     out: list[dict] = []
     with tqdm(total=len(groups), desc=f"{udf.__name__} groups", unit="group", disable=not progress) as bar:
