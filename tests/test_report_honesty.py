@@ -15,10 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 from test_report_browser import synthetic_run
 
-from raycurate.pipelines.proving_ground import _render, seeds_text, summarize_seeds
+from raycurate.pipelines.proving_ground import summarize_seeds
 from raycurate.report.composition import section_composition
 from raycurate.report.curation import curation_comparisons, metric_block, oracle_sentence, section_curation
 from raycurate.report.html import render_report
+from raycurate.report.proving_ground import render_proving_ground, seeds_text
 
 N = 200
 
@@ -162,7 +163,7 @@ def test_seed_wording_says_which_seeds_and_how_many():
     assert seeds_text([7]) == "1 seed (seed 7)"
     base, mixed, clean = _first(120), _first(80), _first(100)
     summary = summarize_seeds({7: ("greedy exact match", {"base": base, "mixed": mixed, "clean": clean})})
-    html = _render(summary)
+    html = render_proving_ground(summary)
     assert "pooled over 1 seed (seed 7)" in html and "seeds != 0" not in html and "the 1 seeds" not in html
     assert "No fine-tuned arm beats the base model in greedy exact match</b> (pooled)" in html
     assert summary["comparisons"]["clean vs base"]["pooled"]["value"] == pytest.approx(-0.1)

@@ -22,11 +22,8 @@ Paper: bilevel-data-curation (eqs. 2, 5, 8-10, Lemma 4, Corollary 5, Algorithm 1
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
-
-# Re-exported for stages/bilevel_train.py only (see the module docstring).
 
 OMEGA_VARIANTS = ("exact", "detached")
 OMEGA_OPTIMIZERS = ("sgd", "sparse_sgd", "sparse_adam", "adam")
@@ -35,7 +32,6 @@ the sampling order; faithful reproduction only)."""
 SPARSE_OPTIMIZERS = ("sparse_sgd", "sparse_adam")
 OMEGA_BASELINES = ("median", "mean")
 """Baseline of the sampled-row estimator: the median of the rest of the batch (robust) or the unbiased mean."""
-OmegaVariant = Literal["exact", "detached"]
 
 
 # --------------------------------------------------------------------------------------------- data weights

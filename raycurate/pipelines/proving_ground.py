@@ -104,87 +104,6 @@ def summarize_seeds(per_seed: dict[int | str, tuple[str, dict[str, Any]]]) -> di
     return {"metric": metric, "seeds": list(per_seed), "comparisons": comparisons}
 
 
-def seeds_text(seeds: list[int | str]) -> str:
-    """``"seeds 0, 1, 2 (3 seeds)"`` / ``"1 seed (seed 0)"`` / ``"runs 0, 0-train-1 (2 runs: corpus seed-train
-    seed)"``: which runs, and how many."""
-    if any(isinstance(s, str) for s in seeds):
-        return (f"runs {', '.join(str(s) for s in seeds)} ({len(seeds)} runs; "
-                "&lt;corpus seed&gt;-train-&lt;train.seed&gt; repeats a corpus seed with another training seed)")
-    if len(seeds) == 1:
-        return f"1 seed (seed {seeds[0]})"
-    return f"seeds {', '.join(str(s) for s in seeds)} ({len(seeds)} seeds)"
-
-
-def _base_verdict(summary: dict) -> str:
-    """One plain sentence: which fine-tuned models beat the base model pooled over the seeds (HTML)."""
-    from raycurate.report.charts import esc
-
-    def fmt(e: dict) -> str:
-        return f"{e['value']:+.3f} [{e['low']:+.3f}, {e['high']:+.3f}]"
-
-    metric = esc(summary["metric"])
-    versus = {name.removesuffix(" vs base"): c["pooled"] for name, c in summary["comparisons"].items()
-              if name.endswith(" vs base")}
-    if not versus:
-        return f"<p>{metric}: the base model was not evaluated, so whether fine-tuning beat it is unknown.</p>"
-    winners = [m for m, e in versus.items() if e["low"] > 0]
-    if not winners:
-        best = max(versus, key=lambda m: versus[m]["value"])
-        return (f"<p><b>No fine-tuned arm beats the base model in {metric}</b> (pooled): the best, {esc(best)}, "
-                f"minus base {fmt(versus[best])}.</p>")
-    return (f"<p><b>{len(winners)} of {len(versus)} fine-tuned arms beat the base model in {metric}</b> (pooled), "
-            "minus base: " + "; ".join(f"{esc(m)} {fmt(versus[m])}" for m in winners) + ".</p>")
-
-
-def _metric_table(summary: dict) -> str:
-    """The verdict against the base model and the per-seed / pooled table of one metric's summary."""
-    from raycurate.report.charts import esc, table
-
-    def fmt(e: dict) -> str:
-        return f"{e['value']:+.3f} [{e['low']:+.3f}, {e['high']:+.3f}]"
-
-    seeds = summary["seeds"]
-    with_t = any(c.get("over_runs") for c in summary["comparisons"].values())
-    rows = [[name, *(fmt(c["per_seed"][str(s)]) if str(s) in c["per_seed"] else "" for s in seeds),
-             fmt(c["pooled"]), *([fmt(c["over_runs"]) if c.get("over_runs") else ""] if with_t else []),
-             f"{c['seeds_excluding_zero']} of {len(c['per_seed'])}"]
-            for name, c in summary["comparisons"].items()]
-    t_text = (" The t-interval over runs treats each run's difference as one draw; with runs that repeat a corpus "
-              "seed under another training seed it includes training noise, which the question bootstrap does not."
-              if with_t else "")
-    oracle = summary["comparisons"].get("oracle: clean vs mixed")
-    note = ""
-    if oracle and not oracle["pooled"]["low"] > 0:
-        note = ("<p><b>No oracle gap</b> (pooled clean minus mixed includes 0 or lies below it): a share of the gap "
-                "closed is not meaningful here.</p>")
-    return (f"<h2>{esc(summary['metric'])}</h2>" + _base_verdict(summary) + note
-            + f"<p>Paired differences (A minus B) with 95% bootstrap intervals per corpus seed, and pooled over "
-            f"{seeds_text(seeds)}, questions resampled within each seed. The last column counts the seeds whose own "
-            f"interval excludes 0.{t_text}</p>"
-            + table(["comparison (A vs B)", *(f"seed {s}" for s in seeds), "pooled",
-                     *(["over runs (t, 95%)"] if with_t else []), "seeds whose interval excludes 0"], rows))
-
-
-def _render(summary: dict) -> str:
-    from raycurate.report.charts import esc, table
-
-    blocks = list((summary.get("by_metric") or {}).values()) or [summary]
-    body = ("<h1>raycurate proving ground</h1><p>Held-out "
-            + " and ".join(esc(b["metric"]) for b in blocks)
-            + f" over {seeds_text(summary['seeds'])}.</p>" + "".join(_metric_table(b) for b in blocks))
-    budgets = summary.get("composition_budgets") or {}
-    if budgets:
-        arms = list(next(iter(budgets.values()))["arms"])
-        body += ("<p>Composition arms: rows / response tokens per seed (T = the composition's tokens).</p>"
-                 + table(["seed", "T", *arms], [[seed, b["budget_tokens"], *(
-                     f"{b['arms'][a]['rows']} / {b['arms'][a]['response_tokens']}" if a in b["arms"] else ""
-                     for a in arms)] for seed, b in budgets.items()]))
-    return ("<!doctype html><html lang='en'><head><meta charset='utf-8'><title>raycurate proving ground</title>"
-            "<style>body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1100px}table{border-collapse:"
-            "collapse;display:block;overflow-x:auto}td,th{border:1px solid #dde;padding:.25rem .6rem}</style>"
-            f"</head><body>{body}</body></html>")
-
-
 def existing_manifest(run_dir: Path) -> dict:
     """The manifest of a seed's finished run (``proving_ground.pool_only``), or a UserError naming the folder."""
     from raycurate.errors import UserError
@@ -208,6 +127,7 @@ def run_proving_ground(cfg: JobConfig, run_pipeline: Callable[[JobConfig], dict]
     """
     from raycurate.pipelines.common import check_split_sizes
     from raycurate.report.curation import aligned_scores, evaluated_models, scores_by_metric
+    from raycurate.report.proving_ground import render_proving_ground
     from raycurate.rundir import atomic_write_text
     from raycurate.storage import is_uri
 
@@ -243,6 +163,6 @@ def run_proving_ground(cfg: JobConfig, run_pipeline: Callable[[JobConfig], dict]
         summary["composition_budgets"] = budgets
     root = Path(cfg.run.runs_dir) / cfg.run.name
     atomic_write_text(root / "proving_ground.json", json.dumps(summary, indent=2))
-    atomic_write_text(root / "report.html", _render(summary))
+    atomic_write_text(root / "report.html", render_proving_ground(summary))
     log.info("proving ground summary: %s", root / "report.html")
     return summary
