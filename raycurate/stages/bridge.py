@@ -45,7 +45,6 @@ def compute_direction(theta_bar_dir: str, theta_old_dir: str, validation_tokens:
                       last_layers: int, lam: float, max_rows: int | None, micro_batch: int) -> dict:
     """g_target at theta_bar on the validation rows, anchor theta_bar - theta_old, combined into v; saved as
     safetensors.  Runs inside a Ray task (on a GPU when the cluster has one)."""
-    import torch
     from safetensors.torch import save_file
 
     from raycurate.algorithms.bridge import pad_rows
@@ -56,9 +55,9 @@ def compute_direction(theta_bar_dir: str, theta_old_dir: str, validation_tokens:
         scoring_parameters,
         validation_gradient,
     )
-    from raycurate.models.loading import load_model, load_tokenizer
+    from raycurate.models.loading import best_device, load_model, load_tokenizer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = best_device()
     model = load_model(theta_bar_dir, dtype="float32", device=device).eval()
     old = load_model(theta_old_dir, dtype="float32", device="cpu")
     pad_id = load_tokenizer(theta_bar_dir).pad_token_id or 0
@@ -209,10 +208,10 @@ class BridgeScoreUDF:
         from safetensors.torch import load_file
 
         from raycurate.algorithms.routing import default_routing_layer
-        from raycurate.models.loading import load_model, load_tokenizer
+        from raycurate.models.loading import best_device, load_model, load_tokenizer
 
         torch.set_num_threads(max(1, threads))
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = best_device()
         if self.device == "cpu":
             torch.set_flush_denormal(True)  # denormals slow the forward-mode pass several-fold on CPU
         self.model = load_model(model_dir, dtype="float32", device=self.device).eval()

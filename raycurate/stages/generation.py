@@ -158,7 +158,7 @@ class HFGenerationActor:
         import torch
         from transformers.utils import logging as hf_logging
 
-        from raycurate.models.loading import load_model
+        from raycurate.models.loading import best_device, load_model
 
         hf_logging.disable_progress_bar()  # one "Loading weights" bar per actor (and per restart) clutters the driver
         torch.set_num_threads(max(1, int(threads)))
@@ -166,7 +166,7 @@ class HFGenerationActor:
         self.seed = seed
         self.dtype = dtype
         self.batch_size = batch_size
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = best_device()
         self._base = load_model(model_dir, dtype=dtype, device=self.device)
         self.eos_ids, self.pad_id = stop_and_pad_ids(model_dir, self._base.config)
         self._peft: Any = None

@@ -380,12 +380,11 @@ def sample_records(results: dict) -> list[dict]:
 
 
 def _hf_lm(model_dir: str, *, batch_size: int | str, device: str | None) -> Any:
-    import torch
     from lm_eval.models.huggingface import HFLM
 
-    from raycurate.models.loading import load_model, load_tokenizer
+    from raycurate.models.loading import best_device, load_model, load_tokenizer
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or best_device()
     tokenizer = _prompt_tokenizer(load_tokenizer(model_dir))
     model = load_model(model_dir, device=device).eval()
     return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)

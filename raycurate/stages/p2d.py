@@ -215,10 +215,16 @@ class IclProbeUDF:
                  query_tokens_dir: str | None = None):
         import torch
 
-        from raycurate.models.loading import enable_attention_outputs, head_geometry, load_model, load_tokenizer
+        from raycurate.models.loading import (
+            best_device,
+            enable_attention_outputs,
+            head_geometry,
+            load_model,
+            load_tokenizer,
+        )
 
         torch.set_num_threads(max(1, threads))
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = best_device()
         if self.device == "cpu":
             torch.set_flush_denormal(True)  # denormal arithmetic slows CPU forwards several-fold
         self.model = load_model(model_dir, dtype="float32", device=self.device).eval()
