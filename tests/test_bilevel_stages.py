@@ -90,3 +90,11 @@ def test_label_separation_reports_each_kind_and_the_score_without_near_duplicate
     assert out["auroc"] == pytest.approx(0.75) and out["auroc_excluding_near_duplicate"] == 1.0
     low, high = out["auroc_ci95"]
     assert low <= 0.75 <= high
+
+
+def test_the_configs_omega_choices_are_the_ones_the_algorithm_implements():
+    from raycurate.algorithms import bilevel as algorithm
+    from raycurate.config import bilevel as config
+
+    assert set(config.OMEGA_OPTIMIZERS) == set(algorithm.OMEGA_OPTIMIZERS)
+    assert set(config.OMEGA_BASELINES) == set(algorithm.OMEGA_BASELINES)

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from raycurate.config.base import option
 
 BILEVEL_METHODS = ("bds", "online", "mix_0.5", "mix_1", "random", "dsir", "less")
+#: omega optimizers and the sparse optimizers' baselines (the BDS step, :mod:`raycurate.algorithms.bilevel`,
+#: implements them; the first is the default).
+OMEGA_OPTIMIZERS = ("sparse_sgd", "sgd", "sparse_adam", "adam")
+OMEGA_BASELINES = ("median", "mean")
 
 
 def is_bilevel_method(name: object) -> bool:
@@ -46,11 +50,11 @@ class BilevelConfig:
         "batch and only sampled logits (and Adam moments) move; sgd: the exact mini-batch gradient through the full "
         "softmax with plain SGD; adam: the paper's dense Adam, which makes omega record when each row was first "
         "sampled, not its quality (docs/bilevel.md) -- faithful reproduction only.",
-        choices=("sparse_sgd", "sgd", "sparse_adam", "adam"))
+        choices=OMEGA_OPTIMIZERS)
     omega_baseline: str = option(
         "median", "sparse_sgd / sparse_adam: each sampled row's loss is compared with the median (robust to the "
         "heavy-tailed losses of corrupted rows) or the mean (exactly the full gradient in expectation) of the rest "
-        "of its batch.", choices=("median", "mean"))
+        "of its batch.", choices=OMEGA_BASELINES)
     omega_lr: float = option(
         100.0, "Step size of omega. The omega gradient is O(gamma/B * loss spread) (B = candidates per step), so "
         "SGD needs about B/gamma for O(1) logit moves per epoch; Adam steps are ~lr per sighting (paper: Adam 1e-4).",

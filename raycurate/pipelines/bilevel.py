@@ -160,19 +160,13 @@ def train_method(run: RunDir, cfg: JobConfig, method: str, train_cfg: TrainConfi
 
 
 def check_methods(methods: list[str]) -> None:
-    """Fail early on unknown method names."""
-    known = {"bds", "online", "random", "dsir", "less"}
+    """Fail early on unknown method names (the names of :func:`raycurate.config.bilevel.is_bilevel_method`)."""
+    from raycurate.config.bilevel import is_bilevel_method
+
     for method in methods:
-        if method in known:
-            continue
-        if method.startswith("mix_"):
-            try:
-                if 0.0 < float(method[4:]) <= 1.0:
-                    continue
-            except ValueError:
-                pass
-        raise ValueError(f"bilevel.methods has unknown entry {method!r}; use bds, online, random, dsir, less or "
-                         "mix_<rho> with 0 < rho <= 1 (e.g. mix_0.5)")
+        if not is_bilevel_method(method):
+            raise ValueError(f"bilevel.methods has unknown entry {method!r}; use bds, online, random, dsir, less or "
+                             "mix_<rho> with 0 < rho <= 1 (e.g. mix_0.5)")
 
 
 def bilevel_train_config(cfg: JobConfig) -> TrainConfig:
