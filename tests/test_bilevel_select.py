@@ -10,21 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 from train_helpers import VOCAB, write_tiny_llama
 
+from raycurate.algorithms.less import Projector, example_gradients, gradient_features, trainable_named
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
-from raycurate.stages.bilevel_select import (
-    LORA_TARGETS,
-    Projector,
-    adam_moments,
-    dsir_select_stage,
-    example_gradients,
-    gradient_features,
-    less_select_stage,
-    selection_count,
-    trainable_named,
-    warmup_lora,
-)
+from raycurate.stages.bilevel_select import LORA_TARGETS, dsir_select_stage, less_select_stage, selection_count
 from raycurate.stages.p2d import selected_ids
+from raycurate.training.less_warmup import adam_moments, warmup_lora
 
 APPLE_VALIDATION = [
     ("Tell me about apples.", "Red apples and green apples grow on apple trees in the orchard."),

@@ -120,3 +120,14 @@ def resample(log_weights: np.ndarray, k: int, seed: int) -> np.ndarray:
     keys = log_weights + np.random.default_rng(seed).gumbel(size=log_weights.size)
     order = np.argsort(-keys, kind="stable")
     return order[:k].astype(np.int64)
+
+
+def target_log_weights(target_texts: list[str], raw_texts: list[str], buckets: int) -> np.ndarray:
+    """DSIR log importance weight of every raw text against the target texts.
+
+    Returns:
+        (len(raw_texts),) float64 ``log p_target(x) - log p_raw(x)`` under the hashed n-gram models.
+    """
+    log_p_target = smoothed_log_probs(bucket_counts(target_texts, buckets))
+    log_p_raw = smoothed_log_probs(bucket_counts(raw_texts, buckets))
+    return log_importance_weights(raw_texts, log_p_target, log_p_raw)

@@ -24,6 +24,8 @@ Decisions (following the reference implementation):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -205,3 +207,78 @@ def select_top_fraction(scores: torch.Tensor, fraction: float) -> torch.Tensor:
     k = min(n, math.floor(fraction * n + 0.5 + 1e-9))
     order = torch.sort(-scores.float(), stable=True).indices  # descending, equal scores keep index order
     return torch.sort(order[:k]).values
+
+
+# --------------------------------------------------------------------------------------------- gradient features
+
+# Projection matrices up to this many entries (1 GiB of float32) are built once; larger ones are generated block
+# by block for every chunk of examples (the same matrix, much slower).
+MAX_DENSE_PROJECTION = 2**28
+# Per-example gradients held at once before projecting: at most this many float32 entries (256 MiB), <= 64 rows.
+FEATURE_CHUNK_ENTRIES = 2**26
+MAX_FEATURE_CHUNK = 64
+
+
+def trainable_named(model: Any) -> list[tuple[str, Any]]:
+    """The parameters that receive gradients, in module order (the order of every flattened feature)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def example_gradients(model: Any, rows: list[dict], params: list[Any], *, pad_id: int,
+                      chunk: int) -> Iterator[Any]:
+    """Flattened gradient of each row's masked mean loss, one backward per row, yielded in chunks.
+
+    Yields:
+        (C, P) float32 gradients, C <= ``chunk``, rows in order.
+    """
+    import torch
+
+    from raycurate.algorithms.bridge import pad_rows
+    from raycurate.algorithms.losses import model_example_losses
+
+    device = params[0].device
+    for lo in range(0, len(rows), chunk):
+        grads = []
+        for row in rows[lo:lo + chunk]:
+            batch = {k: v.to(device) for k, v in pad_rows([row], pad_id).items()}
+            loss = model_example_losses(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])[0]
+            grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]).float())  # (P,)
+        yield torch.stack(grads)
+
+
+class Projector:
+    """The seeded (P, d) Rademacher projection of :func:`random_projection`, dense when it fits in
+    :data:`MAX_DENSE_PROJECTION` entries, else generated block by block on every call (same matrix)."""
+
+    def __init__(self, dim_in: int, dim_out: int, seed: int, device: Any):
+        self.dim_out, self.seed = dim_out, seed
+        dense = dim_in * dim_out <= MAX_DENSE_PROJECTION
+        self.matrix = random_projection(dim_in, dim_out, seed).to(device) if dense else None
+
+    def __call__(self, features: Any) -> Any:
+        """(C, P) -> (C, d) float32 on the CPU."""
+        if self.matrix is not None:
+            return project(features, self.matrix).cpu()
+        return project_in_blocks(features.cpu(), self.dim_out, self.seed)
+
+
+def gradient_features(model: Any, rows: list[dict], *, pad_id: int, projector: Projector,
+                      moments: tuple[Any, Any] | None = None, betas: tuple[float, float] = (0.9, 0.999),
+                      eps: float = 1e-8) -> Any:
+    """Projected LoRA gradient features of ``rows``: Adam directions when ``moments`` is given (LESS's training
+    features), plain gradients otherwise (its validation features).
+
+    Returns:
+        (len(rows), d) float32 features on the CPU.
+    """
+    import torch
+
+    params = [p for _, p in trainable_named(model)]
+    n_params = sum(p.numel() for p in params)
+    chunk = max(1, min(MAX_FEATURE_CHUNK, FEATURE_CHUNK_ENTRIES // n_params))
+    feats = []
+    for grads in example_gradients(model, rows, params, pad_id=pad_id, chunk=chunk):  # (C, P)
+        if moments is not None:
+            grads = adam_preconditioned(grads, moments[0], moments[1], eps=eps, beta1=betas[0], beta2=betas[1])
+        feats.append(projector(grads))  # (C, d)
+    return torch.cat(feats)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterator
 
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
@@ -30,12 +29,6 @@ from raycurate.stages.runtime import run_as_task
 
 SELECTION_FILE = "selection.parquet"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-# Projection matrices up to this many entries (1 GiB of float32) are built once; larger ones are generated block
-# by block for every chunk of examples (the same matrix, much slower).
-MAX_DENSE_PROJECTION = 2**28
-# Per-example gradients held at once before projecting: at most this many float32 entries (256 MiB), <= 64 rows.
-FEATURE_CHUNK_ENTRIES = 2**26
-MAX_FEATURE_CHUNK = 64
 
 
 # --------------------------------------------------------------------------------------------- shared
@@ -107,19 +100,6 @@ def selection_metrics(run: RunDir, candidate_stage: str, ids: list[str], chosen:
 # --------------------------------------------------------------------------------------------- DSIR
 
 
-def dsir_log_weights(target_texts: list[str], raw_texts: list[str], buckets: int) -> Any:
-    """DSIR log importance weight of every raw text against the target texts.
-
-    Returns:
-        (len(raw_texts),) float64 ``log p_target(x) - log p_raw(x)`` under the hashed n-gram models.
-    """
-    from raycurate.algorithms import dsir
-
-    log_p_target = dsir.smoothed_log_probs(dsir.bucket_counts(target_texts, buckets))
-    log_p_raw = dsir.smoothed_log_probs(dsir.bucket_counts(raw_texts, buckets))
-    return dsir.log_importance_weights(raw_texts, log_p_target, log_p_raw)
-
-
 def dsir_select_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage: str, fraction: float,
                       buckets: int, seed: int, force: bool = False) -> dict:
     """DSIR baseline: importance-resample ``round(fraction * N)`` candidates towards the validation texts.
@@ -147,7 +127,8 @@ def dsir_select_stage(run: RunDir, stage: str, *, candidate_stage: str, validati
         candidates = read_rows(run, candidate_stage, ["id", "prompt", "response"])
         targets = read_rows(run, validation_stage, ["id", "prompt", "response"])
         ids = [r["id"] for r in candidates]
-        log_w = dsir_log_weights([example_text(r) for r in targets], [example_text(r) for r in candidates], buckets)
+        log_w = dsir.target_log_weights([example_text(r) for r in targets], [example_text(r) for r in candidates],
+                                        buckets)
         drawn = dsir.resample(log_w, selection_count(fraction, len(ids)), seed)
         chosen = sorted(ids[i] for i in drawn)
         write_selection(out / SELECTION_FILE, ids, "log_weight", [float(w) for w in log_w], set(chosen))
@@ -160,138 +141,6 @@ def dsir_select_stage(run: RunDir, stage: str, *, candidate_stage: str, validati
 
 
 # --------------------------------------------------------------------------------------------- LESS
-
-
-def trainable_named(model: Any) -> list[tuple[str, Any]]:
-    """The parameters that receive gradients, in module order (the order of every flattened feature)."""
-    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-
-
-def warmup_lora(model: Any, rows: list[dict], *, pad_id: int, epochs: int, lr: float, batch_size: int,
-                seed: int) -> tuple[Any, list[float]]:
-    """LESS warmup: AdamW on the LoRA parameters over ``rows`` for ``epochs`` epochs (constant lr, no decay).
-
-    Args:
-        model: A model whose trainable parameters are the LoRA adapter.
-        rows: Token rows (``input_ids``, ``loss_mask``) of the warmup subset.
-        pad_id: Padding token id.
-        epochs: Passes over ``rows``, each in a fresh seeded order.
-        lr: AdamW learning rate.
-        batch_size: Rows per optimizer step.
-        seed: Seed of the row order.
-
-    Returns:
-        (the optimizer, holding Adam's moments for every LoRA parameter; the mean loss of each epoch).
-    """
-    import numpy as np
-    import torch
-
-    from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import model_example_losses
-
-    params = [p for _, p in trainable_named(model)]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # LESS trains with HF's default decay 0
-    device = params[0].device
-    rng = np.random.default_rng(seed)
-    epoch_losses = []
-    model.train()
-    for _ in range(epochs):
-        order = rng.permutation(len(rows))
-        losses = []
-        for lo in range(0, len(rows), batch_size):
-            batch = {k: v.to(device) for k, v in pad_rows([rows[i] for i in order[lo:lo + batch_size]],
-                                                          pad_id).items()}
-            loss = model_example_losses(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]).mean()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-        epoch_losses.append(sum(losses) / len(losses))
-    model.eval()
-    return optimizer, epoch_losses
-
-
-def adam_moments(optimizer: Any, params: list[Any]) -> tuple[Any, Any]:
-    """Adam's ``exp_avg`` and ``exp_avg_sq`` flattened in the order of ``params`` (zeros for a parameter that never
-    received a step).
-
-    Returns:
-        ((P,), (P,)) float32 tensors on the parameters' device.
-    """
-    import torch
-
-    avg, avg_sq = [], []
-    for p in params:
-        state = optimizer.state.get(p, {})
-        avg.append(state.get("exp_avg", torch.zeros_like(p)).reshape(-1).float())
-        avg_sq.append(state.get("exp_avg_sq", torch.zeros_like(p)).reshape(-1).float())
-    return torch.cat(avg), torch.cat(avg_sq)
-
-
-def example_gradients(model: Any, rows: list[dict], params: list[Any], *, pad_id: int,
-                      chunk: int) -> Iterator[Any]:
-    """Flattened gradient of each row's masked mean loss, one backward per row, yielded in chunks.
-
-    Yields:
-        (C, P) float32 gradients, C <= ``chunk``, rows in order.
-    """
-    import torch
-
-    from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import model_example_losses
-
-    device = params[0].device
-    for lo in range(0, len(rows), chunk):
-        grads = []
-        for row in rows[lo:lo + chunk]:
-            batch = {k: v.to(device) for k, v in pad_rows([row], pad_id).items()}
-            loss = model_example_losses(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])[0]
-            grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]).float())  # (P,)
-        yield torch.stack(grads)
-
-
-class Projector:
-    """The seeded (P, d) Rademacher projection of :mod:`raycurate.algorithms.less`, dense when it fits in
-    :data:`MAX_DENSE_PROJECTION` entries, else generated block by block on every call (same matrix)."""
-
-    def __init__(self, dim_in: int, dim_out: int, seed: int, device: Any):
-        from raycurate.algorithms.less import random_projection
-
-        self.dim_out, self.seed = dim_out, seed
-        dense = dim_in * dim_out <= MAX_DENSE_PROJECTION
-        self.matrix = random_projection(dim_in, dim_out, seed).to(device) if dense else None
-
-    def __call__(self, features: Any) -> Any:
-        """(C, P) -> (C, d) float32 on the CPU."""
-        from raycurate.algorithms.less import project, project_in_blocks
-
-        if self.matrix is not None:
-            return project(features, self.matrix).cpu()
-        return project_in_blocks(features.cpu(), self.dim_out, self.seed)
-
-
-def gradient_features(model: Any, rows: list[dict], *, pad_id: int, projector: Projector,
-                      moments: tuple[Any, Any] | None = None, betas: tuple[float, float] = (0.9, 0.999),
-                      eps: float = 1e-8) -> Any:
-    """Projected LoRA gradient features of ``rows``: Adam directions when ``moments`` is given (LESS's training
-    features), plain gradients otherwise (its validation features).
-
-    Returns:
-        (len(rows), d) float32 features on the CPU.
-    """
-    import torch
-
-    from raycurate.algorithms.less import adam_preconditioned
-
-    params = [p for _, p in trainable_named(model)]
-    n_params = sum(p.numel() for p in params)
-    chunk = max(1, min(MAX_FEATURE_CHUNK, FEATURE_CHUNK_ENTRIES // n_params))
-    feats = []
-    for grads in example_gradients(model, rows, params, pad_id=pad_id, chunk=chunk):  # (C, P)
-        if moments is not None:
-            grads = adam_preconditioned(grads, moments[0], moments[1], eps=eps, beta1=betas[0], beta2=betas[1])
-        feats.append(projector(grads))  # (C, d)
-    return torch.cat(feats)
 
 
 def less_scores_task(model_dir: str, candidate_tokens: str, validation_tokens: str, *, lora_r: int,
@@ -317,9 +166,10 @@ def less_scores_task(model_dir: str, candidate_tokens: str, validation_tokens: s
     import numpy as np
     import torch
 
-    from raycurate.algorithms.less import less_scores
+    from raycurate.algorithms.less import Projector, gradient_features, less_scores, trainable_named
     from raycurate.models.adapters import apply_adapter
     from raycurate.models.loading import best_device, load_model, load_tokenizer
+    from raycurate.training.less_warmup import adam_moments, warmup_lora
 
     columns = ["id", "input_ids", "loss_mask"]
     candidate_rows, validation_rows = sorted_rows(candidate_tokens, columns), sorted_rows(validation_tokens, columns)
