@@ -43,8 +43,10 @@ class BilevelConfig:
     adapter: str = option("lora", "theta is a PEFT LoRA adapter (paper) or the full model.", choices=("lora", "full"))
     lora_r: int = option(16, "LoRA rank (paper: 16).", ge=1)
     lora_alpha: float = option(16, "LoRA alpha (paper: 16).", gt=0)
-    lr: float = option(5e-6, "theta learning rate (paper: Adam 5e-6).", gt=0)
-    epochs: int = option(3, "Epochs over the candidates (paper: 3).", ge=1)
+    lr: float = option(5e-6, "theta learning rate (paper: Adam 5e-6); replaces train.lr for every bilevel method "
+                       "(BDS and its baselines alike).", gt=0)
+    epochs: int = option(3, "Epochs over the candidates (paper: 3); replaces train.epochs for every bilevel "
+                         "method.", ge=1)
     omega_optimizer: str = option(
         "sparse_sgd", "Optimizer of omega. sparse_sgd / sparse_adam: each sampled row is centred on the rest of its "
         "batch and only sampled logits (and Adam moments) move; sgd: the exact mini-batch gradient through the full "

@@ -88,7 +88,8 @@ class TrainConfig:
         "token", "How a step's loss averages its supervised tokens: example (each row's tokens are averaged, then "
         "the rows, so every row counts the same) or token (every supervised token of the effective batch counts "
         "the same, as in HF Trainer, so a short row weighs less). On SmolLM2-135M, per-row averaging up-weights the "
-        "one-line answers of short rows and LoRA SFT learns to skip the working (benchmarks/RESULTS.md).",
+        "one-line answers of short rows and LoRA SFT learns to skip the working (benchmarks/RESULTS.md). The BDS "
+        "step ignores it: its lower level weighs each row's mean loss by the row's learned weight (the paper's).",
         choices=("example", "token"))
     bf16: bool | None = option(None, "bf16 mixed precision; null = on iff training runs on CUDA.")
     seed: int = option(0, "Seed of the data order (per epoch) and of dropout.")

@@ -170,7 +170,13 @@ def check_methods(methods: list[str]) -> None:
 
 
 def bilevel_train_config(cfg: JobConfig) -> TrainConfig:
-    """``train`` with the bilevel learning rate and epochs (every bilevel method trains with it)."""
+    """``train`` with the bilevel learning rate and epochs (every bilevel method trains with it); says so when they
+    differ from ``train``'s."""
+    replaced = {k: (getattr(cfg.train, k), getattr(cfg.bilevel, k)) for k in ("lr", "epochs")
+                if getattr(cfg.train, k) != getattr(cfg.bilevel, k)}
+    if replaced:
+        log.info("bilevel: %s (bilevel.* replaces train.* for every bilevel method)",
+                 ", ".join(f"train.{k}={old} -> bilevel.{k}={new}" for k, (old, new) in replaced.items()))
     return dataclasses.replace(cfg.train, lr=cfg.bilevel.lr, epochs=cfg.bilevel.epochs)
 
 
