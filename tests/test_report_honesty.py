@@ -204,3 +204,15 @@ def test_pool_only_pools_the_seed_runs_on_disk_without_running_them(tmp_path):
                                 "proving_ground": {"seeds": [0, 2], "pool_only": True}})
     with pytest.raises(UserError, match="seed-2/manifest.json does not exist"):
         run_proving_ground(cfg, never_run)
+
+
+def test_curate_page_shows_how_well_the_steps_ranking_finds_each_corruption_kind(tmp_path):
+    run_dir, manifest = _curate_run(tmp_path)
+    assert "Which bad rows the steps found" not in section_composition(run_dir, manifest)  # unlabelled: no table
+    manifest["results"]["composition"]["separation"] = {
+        "auroc": 0.915, "auroc_by_kind": {"near_duplicate": {"auroc": 0.955, "ci95": [0.91, 0.99], "rows": 58},
+                                          "swapped_entity": {"auroc": 0.851, "ci95": None, "rows": 120}}}
+    html = section_composition(run_dir, manifest)
+    assert "Which bad rows the steps found" in html and "overall 0.92" in html  # rounded for a reader
+    assert "<td>near_duplicate</td><td>58</td><td>0.95</td><td>[0.91, 0.99]</td>" in html
+    assert "<td>swapped_entity</td><td>120</td><td>0.85</td><td></td>" in html

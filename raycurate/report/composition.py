@@ -126,16 +126,15 @@ def section_composition(run_dir: Path, manifest: dict) -> str:
 
 def _separation(separation: dict) -> str:
     """How well the composition's ranking tells clean rows from each corruption kind (empty without labels)."""
+    from raycurate.report.sections import auroc_kind_table
+
     by_kind = separation.get("auroc_by_kind") or {}
     if not by_kind:
         return ""
-    rows = [[kind, v.get("rows"), f"{v['auroc']:.2f}",
-             "" if not v.get("ci95") else f"[{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}]"]
-            for kind, v in sorted(by_kind.items())]
     return ("<h3>Which bad rows the steps found</h3><p>AUROC of the steps' ranking, clean rows vs each kind of "
             "corruption in the pool (the chance that a random clean row ranks above a random corrupted one: 0.5 is "
             f"chance, 1 perfect); overall {separation.get('auroc', float('nan')):.2f}. Rows a step dropped rank "
-            "below every row it passed on.</p>" + table(["corruption", "rows", "AUROC", "95% CI"], rows))
+            "below every row it passed on.</p>" + auroc_kind_table(by_kind, digits=2))
 
 
 def _verdicts(by_metric: dict[str, dict], arms: dict[str, dict], steps: list[str]) -> str:

@@ -107,20 +107,25 @@ def section_bilevel(run_dir: Path, manifest: dict) -> str:
     return "".join(parts)
 
 
+def auroc_kind_table(by_kind: dict, digits: int = 3) -> str:
+    """A table of ``{kind: {auroc, ci95, rows}}``: corruption kind, rows, AUROC and its 95% interval."""
+    rows = [[kind, v.get("rows"), f"{v['auroc']:.{digits}f}",
+             "" if not v.get("ci95") else f"[{v['ci95'][0]:.{digits}f}, {v['ci95'][1]:.{digits}f}]"]
+            for kind, v in sorted(by_kind.items())]
+    return table(["corruption", "rows", "AUROC", "95% CI"], rows)
+
+
 def _auroc_by_kind(info: dict) -> str:
     """Per-corruption-kind AUROC of the weights and the sampling-order check (empty when not recorded)."""
     by_kind = info.get("auroc_by_kind") or {}
     if not by_kind:
         return ""
-    rows = [[kind, v.get("rows"), f"{v['auroc']:.3f}",
-             "" if not v.get("ci95") else f"[{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}]"]
-            for kind, v in sorted(by_kind.items())]
     text = "<p>AUROC of the weights, clean rows vs each corruption kind (95% bootstrap intervals).</p>"
     spearman = info.get("spearman_first_step")
     if spearman is not None:
         text += (f"<p>Spearman(omega, step of first sampling) = {spearman:+.3f}: near +-1 would mean the weights "
                  "record when each row was drawn, not its quality.</p>")
-    return text + table(["corruption", "rows", "AUROC", "95% CI"], rows)
+    return text + auroc_kind_table(by_kind)
 
 
 def section_lm_eval(run_dir: Path, manifest: dict) -> str:
