@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raycurate.algorithms.dedup import duplicate_pairs, earlier_duplicates, minhash_signatures, word_shingles
+from raycurate.algorithms.dedup import cluster_duplicates, duplicate_pairs, minhash_signatures, word_shingles
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
 from raycurate.stages.dedup import dedup_stage, flagged_ids
@@ -41,7 +41,7 @@ def test_pairs_find_the_perturbed_copy_and_the_earlier_row_is_kept():
     shingles = [word_shingles(t) for t in TEXTS]
     pairs = duplicate_pairs(sig, shingles, threshold=0.7, bands=16)
     assert [(i, j) for i, j, _ in pairs] == [(0, 2)]
-    source, similarity = earlier_duplicates(pairs, len(TEXTS))
+    source, similarity = cluster_duplicates(pairs, [len(t) for t in TEXTS], keep="first")
     assert source.tolist() == [-1, -1, 0, -1] and 0.7 <= similarity[2] < 1.0
     with pytest.raises(ValueError, match="divisible"):
         duplicate_pairs(sig, shingles, threshold=0.7, bands=5)

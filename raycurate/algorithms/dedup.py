@@ -114,19 +114,6 @@ def duplicate_pairs(signatures: np.ndarray, shingles: list[frozenset[str]], thre
     return pairs
 
 
-def earlier_duplicates(pairs: list[tuple[int, int, float]], rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """For each row, the earliest row it near-duplicates (-1 if none) and that pair's similarity.
-
-    Returns:
-        (R,) int64 index of the earlier row, (R,) float64 similarity (0 where none).
-    """
-    source, value = np.full(rows, -1, dtype=np.int64), np.zeros(rows)
-    for i, j, sim in sorted(pairs):
-        if source[j] < 0:
-            source[j], value[j] = i, sim
-    return source, value
-
-
 def _clusters(pairs: list[tuple[int, int, float]], rows: int) -> list[list[int]]:
     """Connected components (size >= 2) of the duplicate graph, each sorted."""
     parent = list(range(rows))

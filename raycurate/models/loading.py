@@ -112,14 +112,13 @@ def adapter_base(path: str | os.PathLike) -> str | None:
 #: evaluation tasks reuse warm worker processes (:mod:`raycurate.stages.warm_tasks`).  SmolLM2-135M's bf16 weights
 #: are 270 MB; the embedded and tiny models are a few MB.
 SMALL_CHECKPOINT_BYTES = 64 * 2**20
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
 def is_small_checkpoint(path: str | os.PathLike, limit: int = SMALL_CHECKPOINT_BYTES) -> bool:
     """Whether the weight files of ``path`` (and of its base, for an adapter-only folder) total at most ``limit``
     bytes."""
     folders = [Path(path)] + ([Path(base)] if (base := adapter_base(path)) else [])
-    total = sum(f.stat().st_size for folder in folders for f in folder.glob("*") if f.suffix in _WEIGHT_SUFFIXES)
+    total = sum(f.stat().st_size for folder in folders for pattern in _WEIGHT_GLOBS for f in folder.glob(pattern))
     return total <= limit
 
 
