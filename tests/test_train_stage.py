@@ -823,3 +823,15 @@ def test_token_and_example_normalisation_differ_on_rows_of_different_lengths(tin
         job = SFTJob(token_table, tiny_model, str(tmp_path / normalization), cfg, False, 1.0)
         losses[normalization] = train_loop(job, LocalSession(str(tmp_path / f"c{normalization}")))["loss_per_step"][0]
     assert losses["token"] != pytest.approx(losses["example"], rel=1e-4)
+
+
+def test_training_processes_stay_for_small_models_and_exit_for_real_ones(tiny_model, tmp_path):
+    from raycurate.models.loading import SMALL_CHECKPOINT_BYTES
+    from raycurate.stages.train import training_max_calls
+
+    big = tmp_path / "big"
+    big.mkdir()
+    with open(big / "model.safetensors", "wb") as f:  # sparse: a real model's size, no disk
+        f.truncate(SMALL_CHECKPOINT_BYTES + 1)
+    assert training_max_calls(tiny_model) == 0
+    assert training_max_calls(str(big)) == 1

@@ -359,6 +359,19 @@ def task_worker(entry: WorkerEntry, loop_config: dict[str, Any], run_dir: str, k
         entry(loop_config, TaskSession(run_dir, keep_checkpoints, use_gpu))
 
 
+def training_max_calls(init_model: str) -> int:
+    """Ray's ``max_calls`` for a ``launcher=task`` training of ``init_model``: 0 (the process stays) for a small
+    model, 1 (it exits) for a real one.
+
+    A real model's training process, reused warm, carried ~6.8 GB RSS of heap into the evaluations that followed,
+    which helped Ray's memory monitor kill a later stage; a small model's lets the next task skip the torch,
+    transformers and DeepSpeed imports (:func:`task_worker` undoes its env and process group on exit).
+    """
+    from raycurate.models.loading import is_small_checkpoint
+
+    return 0 if is_small_checkpoint(init_model) else 1
+
+
 def launch_task(entry: WorkerEntry, loop_config: dict[str, Any], cfg: TrainConfig, use_gpu: bool, cpus: float, *,
                 storage_dir: str, name: str) -> None:
     """Run ``entry`` in one Ray task (``cfg.num_workers`` must be 1); resumes ``storage_dir/name``.
@@ -369,10 +382,9 @@ def launch_task(entry: WorkerEntry, loop_config: dict[str, Any], cfg: TrainConfi
     """
     import ray
 
-    # max_calls=1: the process exits after training; reused warm, it carried ~6.8 GB RSS of the real model's
-    # training heap into the evaluations that followed, which helped Ray's memory monitor kill a later stage.
-    task = ray.remote(max_calls=1)(task_worker).options(num_cpus=cpus, num_gpus=1 if use_gpu else 0,
-                                                        max_retries=cfg.max_failures, retry_exceptions=True,
-                                                        name=f"train:{name}")
+    max_calls = training_max_calls(loop_config["job"].init_model)
+    task = ray.remote(max_calls=max_calls)(task_worker).options(
+        num_cpus=cpus, num_gpus=1 if use_gpu else 0, max_retries=cfg.max_failures, retry_exceptions=True,
+        name=f"train:{name}")
     run_dir = os.path.join(os.path.abspath(storage_dir), name)
     ray.get(task.remote(entry, loop_config, run_dir, cfg.keep_checkpoints, use_gpu, _worker_env(use_gpu)))
