@@ -63,18 +63,12 @@ from raycurate.training.batches import (
     to_device,
     token_sft_loss,
 )
+from raycurate.training.bookkeeping import StepBook
 from raycurate.training.checkpoint import save_checkpoint
 from raycurate.training.collectives import all_reduce_sum
 from raycurate.training.deepspeed_config import check_offload, grad_accum_steps
 from raycurate.training.export import METRICS_FILE, export_hf, run_metrics
-from raycurate.training.order import (
-    CheckpointClock,
-    epoch_order,
-    micro_batch_rows,
-    should_checkpoint,
-    steps_per_epoch,
-    total_steps,
-)
+from raycurate.training.order import epoch_order, micro_batch_rows, steps_per_epoch, total_steps
 from raycurate.training.protocol import TrainSession
 from raycurate.training.session import (
     FAULT_ENV,
@@ -192,7 +186,13 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn | None = None
 
     schedule: Any = None  # (per_epoch, accum, world) row indices of the current epoch
     schedule_epoch = -1
-    clock = CheckpointClock(cfg.checkpoint_every_minutes)
+    book = StepBook(state, cfg, run_steps, per_epoch, accum * session.world_size, session.rank)
+
+    def save() -> None:
+        metrics = run_metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
+                              time.perf_counter() - started, trainable)
+        save_checkpoint(engine, session, state, metrics, cfg)
+
     for step in range(start_step, run_steps):
         epoch, step_in_epoch = divmod(step, per_epoch)
         if epoch != schedule_epoch:
@@ -211,26 +211,14 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn | None = None
             tokens += int(batch["attention_mask"].sum())
             loss = engine.train_micro_batch(to_device(batch, device), loss_fn, is_boundary=k == accum - 1)
             loss_sum += float(loss)
-        loss_total, tokens_total, clock_due = all_reduce_sum([loss_sum, tokens, clock.due_flag()], device)
-        state.step = step + 1
-        state.loss_per_step.append(loss_total / (accum * session.world_size))
-        state.lr_per_step.append(step_lr)
-        state.tokens += int(tokens_total)
-        state.supervised_tokens += supervised_total
-        state.examples += cfg.effective_batch_size
-        state.seconds += time.perf_counter() - step_started
-        if session.rank == 0 and (state.step % cfg.log_every_steps == 0 or state.step == run_steps):
-            logger.info("step %d/%d loss %.4f lr %.3g", state.step, run_steps, state.loss_per_step[-1],
-                        state.lr_per_step[-1])
-        if should_checkpoint(state.step, run_steps, per_epoch, cfg.checkpoint_every_steps) or clock_due > 0:
-            metrics = run_metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
-                              time.perf_counter() - started, trainable)
-            save_checkpoint(engine, session, state, metrics, cfg)
-            clock.saved()
+        loss_total, tokens_total, clock_due = all_reduce_sum([loss_sum, tokens, book.clock.due_flag()], device)
+        book.record(step, loss_sum=loss_total, lr=step_lr, tokens=tokens_total, supervised=supervised_total,
+                    examples=cfg.effective_batch_size, started=step_started)
+        book.close(clock_due, save, ("lr %.3g", (state.lr_per_step[-1],)))
         maybe_inject_fault(session, state.step)
 
     metrics = run_metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
-                      time.perf_counter() - started, trainable)
+                          time.perf_counter() - started, trainable)
     export_hf(engine, job, metrics, session)
     session.report(metrics, None)
     return metrics
