@@ -7,9 +7,10 @@ import pytest
 
 from raycurate.algorithms.ranking import auroc
 from raycurate.config.bilevel import BilevelConfig
+from raycurate.config.loader import config_hash
 from raycurate.config.train import TrainConfig
 from raycurate.pipelines.bilevel import check_methods
-from raycurate.stages.bilevel import PoolGenerationHook, bds_settings, mixing_weights
+from raycurate.stages.bilevel import PoolGenerationHook, bds_hash_config, mixing_weights
 
 
 def test_mixing_weights_realise_equation_3():
@@ -33,11 +34,17 @@ def test_method_names_are_checked_early():
             check_methods(bad)
 
 
-def test_bds_settings_split_the_effective_batch():
-    settings = bds_settings(BilevelConfig(), TrainConfig(effective_batch_size=32), online=False)
-    assert (settings.val_batch, settings.cand_batch, settings.generation_every) == (16, 16, None)
-    online = bds_settings(BilevelConfig(val_batch=8, generation_every=7), TrainConfig(effective_batch_size=32), True)
-    assert (online.val_batch, online.cand_batch, online.generation_every) == (8, 24, 7)
+def test_bds_hash_config_keeps_the_keys_and_values_runs_were_hashed_with():
+    # The BDS stage hashes these (the fields of the former BDSSettings): a change re-trains finished runs and
+    # restarts checkpointed ones from step 0.
+    offline = bds_hash_config(BilevelConfig(), TrainConfig(effective_batch_size=32), online=False)
+    assert offline == {"omega_lr": 100.0, "omega_optimizer": "sparse_sgd", "omega_baseline": "median",
+                       "omega_betas": (0.9, 0.999), "omega_eps": 1e-8, "rho0": 0.1, "rho_step": 0.1, "rho_max": 0.9,
+                       "val_batch": 16, "cand_batch": 16, "variant": "exact", "seed": 0, "generation_every": None,
+                       "importance": "clip", "importance_clip": 2.0}
+    assert config_hash({"bds": offline}) == "cba6dbbfbd197ba1"  # computed from BDSSettings before the change
+    online = bds_hash_config(BilevelConfig(val_batch=8, generation_every=7), TrainConfig(effective_batch_size=32), True)
+    assert (online["val_batch"], online["cand_batch"], online["generation_every"]) == (8, 24, 7)
 
 
 def _hook(mask: str) -> PoolGenerationHook:
@@ -52,11 +59,12 @@ def test_generation_hook_masks_fixed_or_bottom_sigma():
     assert len(fixed) == 2 and fixed.tolist() == _hook("fixed").masked(-omega).tolist()  # independent of omega
 
 
-def test_bds_settings_carry_the_signal_preserving_omega_optimizer():
-    settings = bds_settings(BilevelConfig(), TrainConfig(effective_batch_size=32), online=False)
-    assert (settings.omega_optimizer, settings.omega_lr, settings.omega_baseline) == ("sparse_sgd", 100.0, "median")
-    paper = bds_settings(BilevelConfig(omega_optimizer="adam", omega_lr=1e-4), TrainConfig(), online=False)
-    assert (paper.omega_optimizer, paper.omega_lr) == ("adam", 1e-4)
+def test_bds_hash_config_carries_the_signal_preserving_omega_optimizer():
+    settings = bds_hash_config(BilevelConfig(), TrainConfig(effective_batch_size=32), online=False)
+    assert (settings["omega_optimizer"], settings["omega_lr"], settings["omega_baseline"]) == ("sparse_sgd", 100.0,
+                                                                                               "median")
+    paper = bds_hash_config(BilevelConfig(omega_optimizer="adam", omega_lr=1e-4), TrainConfig(), online=False)
+    assert (paper["omega_optimizer"], paper["omega_lr"]) == ("adam", 1e-4)
 
 
 def test_auroc_by_kind_and_bootstrap_interval_by_hand():

@@ -32,6 +32,10 @@ the sampling order; faithful reproduction only)."""
 SPARSE_OPTIMIZERS = ("sparse_sgd", "sparse_adam")
 OMEGA_BASELINES = ("median", "mean")
 """Baseline of the sampled-row estimator: the median of the rest of the batch (robust) or the unbiased mean."""
+OMEGA_ADAM_BETAS = (0.9, 0.999)
+"""Adam betas of the data logits (``adam`` / ``sparse_adam``; not a config setting)."""
+OMEGA_ADAM_EPS = 1e-8
+"""Adam eps of the data logits."""
 
 
 # --------------------------------------------------------------------------------------------- data weights
@@ -390,8 +394,8 @@ def update_omega(
     gamma: float,
     state: AdamState,
     lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
+    betas: tuple[float, float] = OMEGA_ADAM_BETAS,
+    eps: float = OMEGA_ADAM_EPS,
     baseline: str = "median",
 ) -> tuple[np.ndarray, AdamState]:
     """One omega step (eq. 5b) with optimizer ``optimizer`` (:data:`OMEGA_OPTIMIZERS`); pure, float64.
