@@ -1,18 +1,11 @@
-"""Example-selection baselines of the bilevel pipeline (bilevel paper B4 LESS, B5 DSIR; docs/bilevel.md).
+"""Example-selection baselines of the bilevel pipeline (DSIR and LESS; docs/bilevel.md, "Decisions the papers leave
+open"): each stage scores every candidate against the validation set, keeps ``k = round(fraction * N)`` (halves up,
+at least 1) and writes ``selection.parquet`` (``id``, ``log_weight`` or ``score``, ``selected``; one row per
+candidate in id order), which :func:`raycurate.stages.p2d.selected_ids` reads.
 
-Both stages read a candidate token table and a validation token table, score every candidate against the
-validation set, keep ``k = round(fraction * N)`` of them (halves round up, at least 1) and write
-``selection.parquet`` (output ``selection``) with one row per candidate in id order: ``id``, the score
-(``log_weight`` for DSIR, ``score`` for LESS) and ``selected``, so :func:`raycurate.stages.p2d.selected_ids`
-reads either.
-
-* DSIR (:func:`dsir_select_stage`): hashed unigram+bigram bag-of-words models of the validation texts (target) and
-  of the candidate texts (raw), the log importance weight of each candidate, then k drawn without replacement with
-  probability proportional to the weight (Gumbel top-k with the stage seed).  Pure CPU work in the driver.
-* LESS (:func:`less_select_stage`): one Ray task (1 GPU when the cluster has one) on the base model: LoRA warmup on
-  a seeded random share of the candidates with AdamW, per-candidate LoRA gradients turned into the Adam update
-  direction of the warmup optimizer state, plain LoRA gradients of the validation examples, one seeded random
-  projection of both to ``dim``, the mean cosine to the validation features as the score, and the top k.
+DSIR (:func:`dsir_select_stage`, :mod:`raycurate.algorithms.dsir`) runs in the driver; LESS
+(:func:`less_select_stage`) runs :func:`raycurate.training.less_warmup.less_model_scores` in one Ray task (1 GPU when
+the cluster has one).
 """
 
 from __future__ import annotations

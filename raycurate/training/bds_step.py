@@ -3,7 +3,7 @@ omega step) and its schedule: the batch split, the rows of step k and this rank'
 
 Settings come from :class:`~raycurate.config.bilevel.BilevelConfig` and theta's :class:`TrainConfig`; the loop is
 :mod:`raycurate.training.bds_loop`, the math :mod:`raycurate.algorithms.bilevel` / :mod:`~raycurate.algorithms.bmo`,
-the step by step description docs/bilevel.md and docs/design.md ("The BDS loop").
+the decisions docs/bilevel.md and docs/design.md ("Layers").
 """
 
 from __future__ import annotations
