@@ -1,4 +1,5 @@
-"""Bilevel stage helpers: direct-mixing weights, method names, masked questions of the generation hook."""
+"""Bilevel stage helpers: direct-mixing weights, method names, the BDS stage hash, masked questions of the generation
+hook, and the notes on the train settings the bilevel methods replace or ignore."""
 
 from __future__ import annotations
 
@@ -106,3 +107,39 @@ def test_the_configs_omega_choices_are_the_ones_the_algorithm_implements():
 
     assert set(config.OMEGA_OPTIMIZERS) == set(algorithm.OMEGA_OPTIMIZERS)
     assert set(config.OMEGA_BASELINES) == set(algorithm.OMEGA_BASELINES)
+
+
+def _overrides(*overrides: str) -> list[str]:
+    from raycurate.config.job import build_job_config
+    from raycurate.pipelines.bilevel import bilevel_overrides
+
+    return bilevel_overrides(build_job_config(None, overrides=["pipeline=bilevel", *overrides]))
+
+
+def test_the_train_settings_bilevel_replaces_or_ignores_are_logged(caplog):
+    import logging
+
+    from raycurate.config.job import build_job_config
+    from raycurate.pipelines.bilevel import bilevel_train_config
+
+    lr_epochs = ("train.lr=2e-05 -> bilevel.lr=5e-06, train.epochs=1 -> bilevel.epochs=3 (bilevel.* replaces train.* "
+                 "for every bilevel method)")
+    normalization = "train.loss_normalization=token does not apply to BDS"
+    notes = _overrides()
+    assert notes[0] == lr_epochs and notes[1].startswith(normalization) and len(notes) == 2
+    with caplog.at_level(logging.INFO, logger="raycurate"):
+        train = bilevel_train_config(build_job_config(None, overrides=["pipeline=bilevel"]))
+    assert (train.lr, train.epochs, train.loss_normalization) == (5e-6, 3, "token")
+    assert f"bilevel: {lr_epochs}" in caplog.text and f"bilevel: {normalization}" in caplog.text
+    # no BDS training, or nothing replaced: no note
+    assert _overrides("bilevel.methods=[random, dsir]") == [lr_epochs]
+    assert _overrides("train.lr=5e-6", "train.epochs=3", "train.loss_normalization=example") == []
+
+
+def test_a_train_lora_adapter_note_says_which_adapter_each_bilevel_method_trains():
+    assert _overrides("train.adapter=lora")[-1] == ("train.adapter=lora (train.lora_*) -> bilevel.adapter=lora with "
+                                                    "bilevel.lora_r=16, bilevel.lora_alpha=16 for every bilevel method")
+    assert _overrides("train.adapter=lora", "bilevel.adapter=full")[-1] == (
+        "train.adapter=lora does not apply to BDS, which trains the full model (bilevel.adapter=full); the other "
+        "bilevel methods train train's LoRA")
+    assert not any("adapter" in note for note in _overrides("bilevel.adapter=full"))
