@@ -170,11 +170,11 @@ def less_scores_task(model_dir: str, candidate_tokens: str, validation_tokens: s
     model = apply_adapter(load_model(model_dir, dtype="float32", device=device),
                           {"kind": "lora", "r": lora_r, "alpha": lora_alpha, "targets": LORA_TARGETS})
     pad_id = load_tokenizer(model_dir).pad_token_id or 0
-    scores = less_model_scores(model, candidate_rows, validation_rows, pad_id=pad_id, dim=dim,
-                               warmup_fraction=warmup_fraction, warmup_epochs=warmup_epochs, lr=lr,
-                               batch_size=batch_size, seed=seed, device=device)
-    return {"ids": [r["id"] for r in candidate_rows], "scores": scores.pop("scores"),
-            "validation": len(validation_rows), **scores, "device": device}
+    info = less_model_scores(model, candidate_rows, validation_rows, pad_id=pad_id, dim=dim,
+                             warmup_fraction=warmup_fraction, warmup_epochs=warmup_epochs, lr=lr,
+                             batch_size=batch_size, seed=seed, device=device)
+    return {"ids": [r["id"] for r in candidate_rows], "scores": info.pop("scores"),
+            "validation": len(validation_rows), **info, "device": device}
 
 
 def less_select_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage: str, base_stage: str,
