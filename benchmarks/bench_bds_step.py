@@ -4,7 +4,7 @@ Setup: the tiny-llama preset (4 layers, hidden 128, GQA 4/2 heads) with a 2,048-
 (r 16, alpha 16 on q/k/v/o), the DDP engine in-process (one rank, no process group), ``--batch`` rows per step
 (half validation, half candidates) of ``--length`` tokens, micro-batch ``--batch / 2`` (2 accumulation micro-steps).
 The plain step is ``engine.train_micro_batch`` with the SFT loss over exactly the rows the BDS step trains on; the
-BDS step is :func:`raycurate.stages.bilevel_train.bds_step` (theta step on the penalty-weighted loss, then the omega
+BDS step is :func:`raycurate.training.bds_step.bds_step` (theta step on the penalty-weighted loss, then the omega
 update) in both variants: ``exact`` adds a no-grad forward of the candidate rows at theta^{k+1} (paper eq. 5b),
 ``detached`` reuses the theta step's candidate losses (BIPOST).  Timings are the minimum over ``--repeats``
 interleaved runs (the machine is shared).  Usage::
@@ -43,12 +43,14 @@ def token_table(rows: int, length: int, vocab: int, seed: int, prefix: str):
 
 
 def build_context(args: argparse.Namespace, variant: str):
+    from raycurate.config.bilevel import BilevelConfig
     from raycurate.config.train import TrainConfig
     from raycurate.data.corpus import generate_corpus
     from raycurate.models.adapters import apply_adapter
     from raycurate.models.tiny import build_tiny_model
     from raycurate.models.tokenizer import train_tokenizer
-    from raycurate.stages import bilevel_train as bt
+    from raycurate.training import bds_step as bs
+    from raycurate.training.batches import stack_tables
     from raycurate.training.engines import build_engine
 
     rows = generate_corpus(200, seed=args.seed)
@@ -59,21 +61,21 @@ def build_context(args: argparse.Namespace, variant: str):
     half = args.batch // 2
     cfg = TrainConfig(engine="ddp", num_workers=1, micro_batch_size=half, effective_batch_size=args.batch, lr=5e-6,
                       warmup_ratio=0.0)
-    settings = bt.BDSSettings(val_batch=half, cand_batch=half, variant=variant, seed=args.seed)
+    settings = BilevelConfig(val_batch=half, variant=variant, seed=args.seed)
     engine = build_engine(model, cfg, run_steps=10_000, device=torch.device("cpu"), bf16=False)
     vocab = len(tokenizer)
     val = token_table(64, args.length, vocab, args.seed, "v")
     cand = token_table(256, args.length, vocab, args.seed + 1, "c")
-    return bt.StepContext(engine, bt.stack_tables(val, cand), len(val), len(cand), cfg, settings, 0, 1,
-                          torch.device("cpu"), tokenizer.pad_token_id, bt.check_bds_batches(cfg, settings, 1))
+    return bs.StepContext(engine, stack_tables(val, cand), len(val), len(cand), cfg, settings, 0, 1,
+                          torch.device("cpu"), tokenizer.pad_token_id, bs.check_bds_batches(cfg, settings, 1))
 
 
 def plain_step(ctx, step: int) -> None:
     """One SFT optimizer step (plain loss, unit weights) on the rows BDS step ``step`` trains on."""
-    from raycurate.stages import bilevel_train as bt
     from raycurate.training.batches import collate, sft_loss
+    from raycurate.training.bds_step import bds_batches, step_rows
 
-    val, cand = bt.step_rows(step, ctx.num_val, ctx.num_cand, ctx.bds)
+    val, cand = step_rows(step, ctx.num_val, ctx.num_cand, *bds_batches(ctx.cfg, ctx.bds), ctx.bds.seed)
     rows, micro = np.concatenate([val, ctx.num_val + cand]), ctx.cfg.micro_batch_size
     for k in range(ctx.accum):
         batch = collate(ctx.table, rows[k * micro:(k + 1) * micro], ctx.pad_id)
@@ -81,7 +83,8 @@ def plain_step(ctx, step: int) -> None:
 
 
 def main() -> None:
-    from raycurate.stages import bilevel_train as bt
+    from raycurate.training import bds_step as bs
+    from raycurate.training.bds_state import OmegaState
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8, help="rows per step (half validation, half candidates)")
@@ -94,7 +97,7 @@ def main() -> None:
     torch.set_flush_denormal(True)
 
     contexts = {variant: build_context(args, variant) for variant in ("exact", "detached")}
-    omega = {variant: bt.OmegaState.fresh(ctx.num_cand) for variant, ctx in contexts.items()}
+    omega = {variant: OmegaState.fresh(ctx.num_cand) for variant, ctx in contexts.items()}
     best = {"plain": float("inf"), "exact": float("inf"), "detached": float("inf")}
     step = 0
     for _ in range(args.repeats + 1):  # the first round warms up
@@ -104,7 +107,7 @@ def main() -> None:
             if name == "plain":
                 plain_step(ctx, step)
             else:
-                omega[name], _ = bt.bds_step(ctx, omega[name], step)
+                omega[name], _ = bs.bds_step(ctx, omega[name], step)
             elapsed = time.perf_counter() - started
             if step > 0:
                 best[name] = min(best[name], elapsed)

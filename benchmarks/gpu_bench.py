@@ -18,7 +18,7 @@ budget is spent, after at least one timed run):
    model, AdamW, 2 accumulation micro-steps of half the rows each; mirrors ``benchmarks/bench_bds_step.py`` without
    the DDP/DeepSpeed engine).  BDS exact = the penalty-weighted loss backward + optimizer step + a no-grad forward
    of the candidate rows at theta^{k+1} + the omega update (:func:`raycurate.algorithms.bilevel.update_omega`,
-   ``sparse_sgd``, the BDSSettings default).
+   ``sparse_sgd``, the ``bilevel.omega_optimizer`` default).
 4. ``generation``: the HF generation path (:func:`raycurate.models.sampling.sample_responses`, exactly as the HF
    generation actor calls it: per-prompt CPU generators, temperature 0.8) on the 3B-shaped model in bf16.
 

@@ -9,6 +9,7 @@ defaults in ``raycurate/config/demo.yaml`` or ``jobs/bilevel_demo.yaml`` to sett
 
 from __future__ import annotations
 
+import dataclasses
 from importlib import resources
 from pathlib import Path
 
@@ -17,22 +18,22 @@ import pytest
 
 from raycurate.algorithms import bilevel
 from raycurate.algorithms.ranking import auroc, spearman
+from raycurate.config.bilevel import BilevelConfig
 from raycurate.config.loader import from_dict, read_yaml
 from raycurate.config.schema import JobConfig
-from raycurate.stages.bilevel import bds_settings
-from raycurate.stages.bilevel_train import bds_total_steps, step_rows
+from raycurate.training.bds_step import bds_batches, bds_total_steps, step_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGED_DEMO = Path(str(resources.files("raycurate.config").joinpath("demo.yaml")))
 SHIPPED = {"demo": PACKAGED_DEMO, "bilevel_demo": ROOT / "jobs" / "bilevel_demo.yaml"}
 
 
-def shipped_settings(job: Path) -> tuple[JobConfig, object, int]:
+def shipped_settings(job: Path) -> tuple[JobConfig, BilevelConfig, int]:
     """The job's config, its BDS settings and its number of candidates (corpus rows x the candidate split)."""
     cfg = from_dict(JobConfig, read_yaml(job), source=str(job))
     ratios = cfg.data.split_ratios
     n = int(round(cfg.data.corpus_rows * ratios[cfg.bilevel.candidate_split] / sum(ratios.values())))
-    return cfg, bds_settings(cfg.bilevel, cfg.train, online=False), n
+    return cfg, cfg.bilevel, n
 
 
 def synthetic_rows(n: int, seed: int, outliers: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
@@ -58,22 +59,23 @@ def replay(job: Path, optimizer: str | None = None, lr: float | None = None, see
     cfg, bds, n = shipped_settings(job)
     optimizer = optimizer or bds.omega_optimizer
     lr = bds.omega_lr if lr is None else lr
-    steps = bds_total_steps(n, cfg.train.__class__(epochs=cfg.bilevel.epochs), bds)
-    per_epoch = n // bds.cand_batch
+    steps = bds_total_steps(n, dataclasses.replace(cfg.train, epochs=cfg.bilevel.epochs, max_steps=None), bds)
+    val_batch, cand_batch = bds_batches(cfg.train, bds)
+    per_epoch = n // cand_batch
     baseline = baseline or bds.omega_baseline
     corrupted, base = synthetic_rows(n, seed, outliers)
     noise = np.random.default_rng([seed, 1])
     omega, state, first = np.zeros(n), bilevel.AdamState.zeros(n), np.full(n, -1)
     seen_loss, seen_clean = [], []
     for step in range(steps):
-        _, idx = step_rows(step, 1, n, bds)
+        _, idx = step_rows(step, 1, n, val_batch, cand_batch, bds.seed)
         first[idx[first[idx] < 0]] = step
         losses = base[idx] - drift * step / steps + 0.15 * noise.normal(size=idx.size)
         seen_loss.append(losses)
         seen_clean.append(~corrupted[idx])
         gamma = bilevel.gamma_schedule(step // per_epoch, bds.rho0, bds.rho_step, bds.rho_max)
         omega, state = bilevel.update_omega(optimizer, omega, idx, losses, gamma, state, lr,
-                                            tuple(bds.omega_betas), bds.omega_eps, baseline)
+                                            bilevel.OMEGA_ADAM_BETAS, bilevel.OMEGA_ADAM_EPS, baseline)
     return {"omega": omega, "sigma": bilevel.data_weights(omega), "first": first, "corrupted": corrupted,
             "sighting_auroc": auroc(-np.concatenate(seen_loss), np.concatenate(seen_clean))}
 

@@ -1,4 +1,5 @@
-"""Bilevel stage helpers: direct-mixing weights, method names, masked questions of the generation hook."""
+"""Bilevel stage helpers: direct-mixing weights, method names, the BDS stage hash, masked questions of the generation
+hook, and the notes on the train settings the bilevel methods replace or ignore."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import pytest
 
 from raycurate.algorithms.ranking import auroc
 from raycurate.config.bilevel import BilevelConfig
+from raycurate.config.loader import config_hash
 from raycurate.config.train import TrainConfig
 from raycurate.pipelines.bilevel import check_methods
-from raycurate.stages.bilevel import PoolGenerationHook, bds_settings, mixing_weights
+from raycurate.stages.bilevel import PoolGenerationHook, bds_hash_config, mixing_weights
 
 
 def test_mixing_weights_realise_equation_3():
@@ -33,11 +35,17 @@ def test_method_names_are_checked_early():
             check_methods(bad)
 
 
-def test_bds_settings_split_the_effective_batch():
-    settings = bds_settings(BilevelConfig(), TrainConfig(effective_batch_size=32), online=False)
-    assert (settings.val_batch, settings.cand_batch, settings.generation_every) == (16, 16, None)
-    online = bds_settings(BilevelConfig(val_batch=8, generation_every=7), TrainConfig(effective_batch_size=32), True)
-    assert (online.val_batch, online.cand_batch, online.generation_every) == (8, 24, 7)
+def test_bds_hash_config_keeps_the_keys_and_values_runs_were_hashed_with():
+    # The BDS stage hashes these (the fields of the former BDSSettings): a change re-trains finished runs and
+    # restarts checkpointed ones from step 0.
+    offline = bds_hash_config(BilevelConfig(), TrainConfig(effective_batch_size=32), online=False)
+    assert offline == {"omega_lr": 100.0, "omega_optimizer": "sparse_sgd", "omega_baseline": "median",
+                       "omega_betas": (0.9, 0.999), "omega_eps": 1e-8, "rho0": 0.1, "rho_step": 0.1, "rho_max": 0.9,
+                       "val_batch": 16, "cand_batch": 16, "variant": "exact", "seed": 0, "generation_every": None,
+                       "importance": "clip", "importance_clip": 2.0}
+    assert config_hash({"bds": offline}) == "cba6dbbfbd197ba1"  # computed from BDSSettings before the change
+    online = bds_hash_config(BilevelConfig(val_batch=8, generation_every=7), TrainConfig(effective_batch_size=32), True)
+    assert (online["val_batch"], online["cand_batch"], online["generation_every"]) == (8, 24, 7)
 
 
 def _hook(mask: str) -> PoolGenerationHook:
@@ -52,11 +60,12 @@ def test_generation_hook_masks_fixed_or_bottom_sigma():
     assert len(fixed) == 2 and fixed.tolist() == _hook("fixed").masked(-omega).tolist()  # independent of omega
 
 
-def test_bds_settings_carry_the_signal_preserving_omega_optimizer():
-    settings = bds_settings(BilevelConfig(), TrainConfig(effective_batch_size=32), online=False)
-    assert (settings.omega_optimizer, settings.omega_lr, settings.omega_baseline) == ("sparse_sgd", 100.0, "median")
-    paper = bds_settings(BilevelConfig(omega_optimizer="adam", omega_lr=1e-4), TrainConfig(), online=False)
-    assert (paper.omega_optimizer, paper.omega_lr) == ("adam", 1e-4)
+def test_bds_hash_config_carries_the_signal_preserving_omega_optimizer():
+    settings = bds_hash_config(BilevelConfig(), TrainConfig(effective_batch_size=32), online=False)
+    assert (settings["omega_optimizer"], settings["omega_lr"], settings["omega_baseline"]) == ("sparse_sgd", 100.0,
+                                                                                               "median")
+    paper = bds_hash_config(BilevelConfig(omega_optimizer="adam", omega_lr=1e-4), TrainConfig(), online=False)
+    assert (paper["omega_optimizer"], paper["omega_lr"]) == ("adam", 1e-4)
 
 
 def test_auroc_by_kind_and_bootstrap_interval_by_hand():
@@ -98,3 +107,39 @@ def test_the_configs_omega_choices_are_the_ones_the_algorithm_implements():
 
     assert set(config.OMEGA_OPTIMIZERS) == set(algorithm.OMEGA_OPTIMIZERS)
     assert set(config.OMEGA_BASELINES) == set(algorithm.OMEGA_BASELINES)
+
+
+def _overrides(*overrides: str) -> list[str]:
+    from raycurate.config.job import build_job_config
+    from raycurate.pipelines.bilevel import bilevel_overrides
+
+    return bilevel_overrides(build_job_config(None, overrides=["pipeline=bilevel", *overrides]))
+
+
+def test_the_train_settings_bilevel_replaces_or_ignores_are_logged(caplog):
+    import logging
+
+    from raycurate.config.job import build_job_config
+    from raycurate.pipelines.bilevel import bilevel_train_config
+
+    lr_epochs = ("train.lr=2e-05 -> bilevel.lr=5e-06, train.epochs=1 -> bilevel.epochs=3 (bilevel.* replaces train.* "
+                 "for every bilevel method)")
+    normalization = "train.loss_normalization=token does not apply to BDS"
+    notes = _overrides()
+    assert notes[0] == lr_epochs and notes[1].startswith(normalization) and len(notes) == 2
+    with caplog.at_level(logging.INFO, logger="raycurate"):
+        train = bilevel_train_config(build_job_config(None, overrides=["pipeline=bilevel"]))
+    assert (train.lr, train.epochs, train.loss_normalization) == (5e-6, 3, "token")
+    assert f"bilevel: {lr_epochs}" in caplog.text and f"bilevel: {normalization}" in caplog.text
+    # no BDS training, or nothing replaced: no note
+    assert _overrides("bilevel.methods=[random, dsir]") == [lr_epochs]
+    assert _overrides("train.lr=5e-6", "train.epochs=3", "train.loss_normalization=example") == []
+
+
+def test_a_train_lora_adapter_note_says_which_adapter_each_bilevel_method_trains():
+    assert _overrides("train.adapter=lora")[-1] == ("train.adapter=lora (train.lora_*) -> bilevel.adapter=lora with "
+                                                    "bilevel.lora_r=16, bilevel.lora_alpha=16 for every bilevel method")
+    assert _overrides("train.adapter=lora", "bilevel.adapter=full")[-1] == (
+        "train.adapter=lora does not apply to BDS, which trains the full model (bilevel.adapter=full); the other "
+        "bilevel methods train train's LoRA")
+    assert not any("adapter" in note for note in _overrides("bilevel.adapter=full"))

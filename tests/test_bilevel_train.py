@@ -1,5 +1,6 @@
-"""Offline BDS loop (raycurate.stages.bilevel_train): batch arithmetic, one step against an independent computation,
-outputs, exact omega restore on resume, and (slow) omega bit-identical across 2 Ray Train workers."""
+"""The BDS loop (raycurate.training.bds_loop / bds_step; driver raycurate.stages.bilevel_train): batch arithmetic,
+one step against an independent computation, outputs, exact omega restore on resume, and (slow) omega bit-identical
+across 2 Ray Train workers."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import torch
 from train_helpers import VOCAB, Crash, LocalSession, write_tiny_llama
 
 from raycurate.algorithms import bilevel, bmo
+from raycurate.config.bilevel import BilevelConfig
 from raycurate.config.train import TrainConfig
 from raycurate.stages import bilevel_train as bt
-from raycurate.training import bds_online, bds_state
+from raycurate.training import bds_loop, bds_online, bds_state
+from raycurate.training import bds_step as bs
 from raycurate.training.batches import load_token_table
 from raycurate.training.checkpoint import read_trainer_state
 from raycurate.training.export import METRICS_FILE
@@ -65,35 +68,42 @@ def _cfg(**overrides) -> TrainConfig:
     return TrainConfig(**{**base, **overrides})
 
 
-def _job(tables, tiny_model, out: str, cfg: TrainConfig, **bds) -> bt.BDSJob:
-    settings = bt.BDSSettings(**{**dict(val_batch=2, cand_batch=2, omega_lr=0.05, seed=3), **bds})
-    return bt.BDSJob(tables[0], tables[1], tiny_model, out, cfg, settings)
+def _job(tables, tiny_model, out: str, cfg: TrainConfig, **bds) -> bds_loop.BDSJob:
+    settings = BilevelConfig(**{**dict(val_batch=2, omega_lr=0.05, seed=3), **bds})
+    return bds_loop.BDSJob(tables[0], tables[1], tiny_model, out, cfg, settings)
 
 
 # ------------------------------------------------------------------------------------------ batch arithmetic
 
 
 def test_batch_checks_name_the_settings_to_change():
-    with pytest.raises(ValueError, match=r"val_batch \+ bds.cand_batch = 2 \+ 4 must equal "
+    with pytest.raises(ValueError, match=r"bilevel.val_batch=4 validation rows leave 0 candidate rows of "
                                          r"train.effective_batch_size=4"):
-        bt.check_bds_batches(_cfg(), bt.BDSSettings(val_batch=2, cand_batch=4), 1)
+        bs.check_bds_batches(_cfg(), BilevelConfig(val_batch=4), 1)
     with pytest.raises(ValueError, match="multiples of num_workers=2"):
-        bt.check_bds_batches(_cfg(micro_batch_size=1), bt.BDSSettings(val_batch=1, cand_batch=3), 2)
+        bs.check_bds_batches(_cfg(micro_batch_size=1), BilevelConfig(val_batch=1), 2)
     with pytest.raises(ValueError, match="variant='approx' is unknown"):
-        bt.check_bds_batches(_cfg(), bt.BDSSettings(val_batch=2, cand_batch=2, variant="approx"), 1)
-    assert bt.check_bds_batches(_cfg(micro_batch_size=1), bt.BDSSettings(val_batch=2, cand_batch=2), 2) == 2
+        bs.check_bds_batches(_cfg(), BilevelConfig(val_batch=2, variant="approx"), 1)
+    with pytest.raises(ValueError, match="needs >= 2 candidate rows per step"):
+        bs.check_bds_batches(_cfg(), BilevelConfig(val_batch=3), 1)
+    assert bs.check_bds_batches(_cfg(micro_batch_size=1), BilevelConfig(val_batch=2), 2) == 2
+    assert bs.check_bds_batches(_cfg(micro_batch_size=1), BilevelConfig(), 2) == 2  # null: half the batch
+
+
+def test_batch_split_is_val_batch_and_the_rest_of_the_effective_batch():
+    assert bs.bds_batches(_cfg(effective_batch_size=32), BilevelConfig()) == (16, 16)
+    assert bs.bds_batches(_cfg(effective_batch_size=32), BilevelConfig(val_batch=8)) == (8, 24)
 
 
 def test_step_rows_are_seeded_cover_each_epoch_and_split_evenly():
-    settings = bt.BDSSettings(val_batch=2, cand_batch=4, seed=5)
-    steps = [bt.step_rows(s, 6, 9, settings) for s in range(2)]  # 9 // 4 = 2 steps per epoch
+    steps = [bs.step_rows(s, 6, 9, 2, 4, seed=5) for s in range(2)]  # 9 // 4 = 2 steps per epoch
     cand = np.concatenate([c for _, c in steps])
     assert len(set(cand.tolist())) == 8  # one permutation: distinct within the epoch
     assert all(len(set(v.tolist())) == 2 for v, _ in steps)
-    again = bt.step_rows(1, 6, 9, settings)
+    again = bs.step_rows(1, 6, 9, 2, 4, seed=5)
     assert np.array_equal(again[0], steps[1][0]) and np.array_equal(again[1], steps[1][1])
-    assert bt.rank_slice(np.arange(8), 1, 2).tolist() == [4, 5, 6, 7]
-    assert bt.bds_total_steps(9, _cfg(epochs=3), settings) == 6
+    assert bs.rank_slice(np.arange(8), 1, 2).tolist() == [4, 5, 6, 7]
+    assert bs.bds_total_steps(9, _cfg(epochs=3, effective_batch_size=6), BilevelConfig(val_batch=2)) == 6
 
 
 # ------------------------------------------------------------------------------------------ one step by hand
@@ -117,8 +127,8 @@ def test_first_step_trains_on_the_penalty_loss_and_updates_omega_from_the_gather
         tiny_model, tables, tmp_path, optimizer):
     job = _job(tables, tiny_model, str(tmp_path / "out"), _cfg(max_steps=1), variant="detached",
                omega_optimizer=optimizer)
-    metrics = bt.bds_train_loop(job, LocalSession(str(tmp_path / "ckpt")))
-    val_rows, cand_rows = bt.step_rows(0, 6, 10, job.bds)
+    metrics = bds_loop.bds_train_loop(job, LocalSession(str(tmp_path / "ckpt")))
+    val_rows, cand_rows = bs.step_rows(0, 6, 10, 2, 2, job.bds.seed)
     val_losses = _losses_at_init(tiny_model, tables[1], val_rows)
     cand_losses = _losses_at_init(tiny_model, tables[0], cand_rows)
     gamma = 0.1 / 0.9
@@ -150,9 +160,9 @@ def test_first_step_trains_on_the_penalty_loss_and_updates_omega_from_the_gather
 
 
 def test_exact_variant_uses_losses_after_the_theta_step(tiny_model, tables, tmp_path):
-    exact = bt.bds_train_loop(_job(tables, tiny_model, str(tmp_path / "e"), _cfg(max_steps=2, lr=5e-2)),
+    exact = bds_loop.bds_train_loop(_job(tables, tiny_model, str(tmp_path / "e"), _cfg(max_steps=2, lr=5e-2)),
                               LocalSession(str(tmp_path / "ce")))
-    detached = bt.bds_train_loop(
+    detached = bds_loop.bds_train_loop(
         _job(tables, tiny_model, str(tmp_path / "d"), _cfg(max_steps=2, lr=5e-2), variant="detached"),
         LocalSession(str(tmp_path / "cd")))
     assert exact["variant"] == "exact" and detached["variant"] == "detached"
@@ -168,11 +178,11 @@ def test_bds_loop_writes_weights_and_resume_restores_omega_exactly(tiny_model, t
     # 10 candidates, cand_batch 2 -> 5 steps/epoch; 7 steps cross into epoch 1; checkpoints at 3, 6, 7.
     cfg = _cfg(max_steps=7, checkpoint_every_steps=3)
     straight_job = _job(tables, tiny_model, str(tmp_path / "straight"), cfg, omega_optimizer="sparse_adam")
-    straight = bt.bds_train_loop(straight_job, LocalSession(str(tmp_path / "ckpt_a")))
+    straight = bds_loop.bds_train_loop(straight_job, LocalSession(str(tmp_path / "ckpt_a")))
 
     resumed_job = _job(tables, tiny_model, str(tmp_path / "resumed"), cfg, omega_optimizer="sparse_adam")
     with pytest.raises(Crash):  # dies right after the step-3 checkpoint
-        bt.bds_train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b"), crash_after_checkpoints=1))
+        bds_loop.bds_train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b"), crash_after_checkpoints=1))
     saved = bds_state.load_omega_state(os.path.join(tmp_path / "ckpt_b", "step_00003", bds_state.OMEGA_STATE_FILE),
                                 bds_state.ids_digest(load_token_table(tables[0]).ids))
     assert saved.adam.step == 3 and np.any(saved.omega != 0)
@@ -181,14 +191,14 @@ def test_bds_loop_writes_weights_and_resume_restores_omega_exactly(tiny_model, t
 
     with LocalSession(str(tmp_path / "ckpt_b")).restore_dir() as path:
         digest = bds_state.ids_digest(load_token_table(tables[0]).ids)
-        loop = bt.restore_loop_state(path, read_trainer_state(path), 10, digest)
+        loop = bds_loop.restore_loop_state(path, read_trainer_state(path), 10, digest)
     assert np.array_equal(loop.omega.omega, saved.omega)  # bit for bit
     assert np.array_equal(loop.omega.adam.exp_avg_sq, saved.adam.exp_avg_sq)
     assert np.array_equal(loop.omega.adam.row_steps, saved.adam.row_steps)
     assert np.array_equal(loop.omega.first_step, saved.first_step)
     assert np.array_equal(loop.omega.last_loss, saved.last_loss, equal_nan=True)
     assert loop.train.step == 3 and len(loop.curves.gamma_per_step) == 3 and loop.online is None
-    resumed = bt.bds_train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b")))
+    resumed = bds_loop.bds_train_loop(resumed_job, LocalSession(str(tmp_path / "ckpt_b")))
 
     assert resumed["start_step"] == 3 and resumed["steps"] == straight["steps"] == 7
     assert resumed["gamma_per_step"] == pytest.approx([0.1 / 0.9] * 5 + [0.2 / 0.8] * 2)
@@ -218,7 +228,7 @@ def test_lora_adapter_trains_only_the_adapter_and_exports_it_alone(tiny_model, t
 
     job = _job(tables, tiny_model, str(tmp_path / "lora"), _cfg(max_steps=2))
     job.adapter = {"kind": "lora", "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
-    metrics = bt.bds_train_loop(job, LocalSession(str(tmp_path / "c")))
+    metrics = bds_loop.bds_train_loop(job, LocalSession(str(tmp_path / "c")))
     full = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
     assert metrics["adapter"] == "lora" and 0 < metrics["trainable_parameters"] < full // 10
     files = os.listdir(job.output_dir)
@@ -273,10 +283,11 @@ def test_online_with_responses_from_the_current_policy_matches_offline(tiny_mode
     # Regenerating every step with pi_old = pi_theta makes every importance weight exactly 1 and every generated
     # response equal to the offline one, so online BMO must reproduce offline BDS step for step.
     cfg = _cfg(max_steps=4)
-    offline = bt.bds_train_loop(_job(tables, tiny_model, str(tmp_path / "off"), cfg), LocalSession(str(tmp_path / "a")))
+    offline = bds_loop.bds_train_loop(_job(tables, tiny_model, str(tmp_path / "off"), cfg),
+                                      LocalSession(str(tmp_path / "a")))
     calls: list = []
     masked = bmo.masked_questions_fixed(10, 0.5, seed=0)
-    online = bt.bds_train_loop(
+    online = bds_loop.bds_train_loop(
         _job(tables, tiny_model, str(tmp_path / "on"), cfg, generation_every=1, importance=mode),
         LocalSession(str(tmp_path / "b")), generation_hook=_regenerating_hook(tables[0], masked, calls))
     assert calls == [0, 1, 2, 3] and online["generation_steps"] == [0, 1, 2, 3]
@@ -294,7 +305,7 @@ def test_online_responses_are_checkpointed_and_hook_runs_every_k_steps(tiny_mode
     masked = np.array([0, 3, 6, 9])
     job = _job(tables, tiny_model, str(tmp_path / "o"), _cfg(max_steps=5, checkpoint_every_steps=5),
                generation_every=2, importance="self_normalize", variant="detached")
-    metrics = bt.bds_train_loop(job, LocalSession(str(tmp_path / "c")),
+    metrics = bds_loop.bds_train_loop(job, LocalSession(str(tmp_path / "c")),
                                 generation_hook=_regenerating_hook(tables[0], masked, calls, extra_random=True))
     assert calls == [1, 3]  # before 0-based steps 1 and 3: k = 2, 4 with k mod K_gen = 0
     assert all(np.isfinite(metrics["loss_per_step"])) and all(np.isfinite(metrics["omega_loss_per_step"]))
@@ -321,7 +332,7 @@ def test_omega_is_bit_identical_on_two_deepspeed_workers(ray_local, tiny_model, 
     cfg = TrainConfig(engine="deepspeed", zero_stage=zero_stage, num_workers=2, micro_batch_size=1,
                       effective_batch_size=4, max_steps=4, lr=1e-2, log_every_steps=1)
     metrics = bt.run_bds(tables[0], tables[1], tiny_model, out, cfg,
-                         bt.BDSSettings(val_batch=2, cand_batch=2, omega_lr=0.05),
+                         BilevelConfig(val_batch=2, omega_lr=0.05),
                          storage_dir=str(tmp_path / "rs"), name="bds", adapter=adapter)
     assert metrics["world_size"] == 2 and metrics["steps"] == 4
     digests = metrics["omega_digests"]
@@ -337,9 +348,10 @@ def test_online_bds_through_the_task_launcher_matches_the_in_process_loop(ray_lo
     # The generation hook travels to the task; regenerating from the current policy reproduces offline BDS
     # (see the in-process test above), so the task's curves must equal the in-process offline loop's.
     cfg = _cfg(max_steps=3, checkpoint_every_steps=2, launcher="task")
-    offline = bt.bds_train_loop(_job(tables, tiny_model, str(tmp_path / "off"), cfg), LocalSession(str(tmp_path / "a")))
+    offline = bds_loop.bds_train_loop(_job(tables, tiny_model, str(tmp_path / "off"), cfg),
+                                      LocalSession(str(tmp_path / "a")))
     masked = bmo.masked_questions_fixed(10, 0.5, seed=0)
-    settings = bt.BDSSettings(val_batch=2, cand_batch=2, omega_lr=0.05, seed=3, generation_every=1)
+    settings = BilevelConfig(val_batch=2, omega_lr=0.05, seed=3, generation_every=1)
     storage = str(tmp_path / "storage")
     started = time.perf_counter()
     task = bt.run_bds(tables[0], tables[1], tiny_model, str(tmp_path / "task"), cfg, settings, storage_dir=storage,

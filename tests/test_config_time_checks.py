@@ -52,8 +52,7 @@ BDS_GRID = [(batch, micro, workers, val) for batch, micro, workers in
 @pytest.mark.parametrize("batch, micro, workers, val", BDS_GRID)
 def test_bds_batches_are_accepted_exactly_when_the_workers_accept_them(batch, micro, workers, val):
     from raycurate.config.schema import JobConfig
-    from raycurate.stages.bilevel import bds_settings
-    from raycurate.stages.bilevel_train import check_bds_batches
+    from raycurate.training.bds_step import check_bds_batches
 
     overrides = ["pipeline=bilevel", "train.launcher=ray_train", f"train.num_workers={workers}",
                  f"train.micro_batch_size={micro}", f"train.effective_batch_size={batch}",
@@ -65,7 +64,7 @@ def test_bds_batches_are_accepted_exactly_when_the_workers_accept_them(batch, mi
     cfg.train.num_workers, cfg.train.micro_batch_size, cfg.train.effective_batch_size = workers, micro, batch
     cfg.bilevel.val_batch = val
     try:
-        check_bds_batches(cfg.train, bds_settings(cfg.bilevel, cfg.train, online=False), workers)
+        check_bds_batches(cfg.train, cfg.bilevel, workers)
         worker_ok = True
     except ValueError:
         worker_ok = False

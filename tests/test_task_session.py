@@ -138,12 +138,13 @@ def test_task_launcher_needs_one_worker_and_says_what_to_change(monkeypatch):
 
 
 def test_bds_checks_the_launcher_on_the_driver(monkeypatch):
+    from raycurate.config.bilevel import BilevelConfig
     from raycurate.stages import bilevel_train as bt
 
     monkeypatch.setattr(bt, "worker_resources", lambda cfg: pytest.fail("Ray started"))
     cfg = TrainConfig(launcher="task", num_workers=2, micro_batch_size=1, effective_batch_size=4)
     with pytest.raises(ValueError, match="train.num_workers=2; set train.num_workers=1"):
-        bt.run_bds("c", "v", "/no/such/model", "out", cfg, bt.BDSSettings(val_batch=2, cand_batch=2),
+        bt.run_bds("c", "v", "/no/such/model", "out", cfg, BilevelConfig(val_batch=2),
                    storage_dir="s", name="bds")
 
 

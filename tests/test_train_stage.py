@@ -151,11 +151,11 @@ def test_token_table_sorted_by_id_default_weight_and_collate(tmp_path):
 def test_wall_clock_checkpoint_lets_a_one_epoch_run_resume_mid_epoch(tiny_model, token_table, tmp_path, monkeypatch):
     """One epoch (4 steps), no step cadence: only train.checkpoint_every_minutes can save before the end. A fake
     clock passes 10 minutes during step 2, so the run killed after that checkpoint resumes at step 2, not 0."""
-    from raycurate.stages import train as train_module
+    from raycurate.training import bookkeeping
     from raycurate.training.order import CheckpointClock
 
     ticks = iter([0.0, 60.0, 660.0] + [700.0 + i for i in range(100)])  # start, step 1, step 2 (due), saved, ...
-    monkeypatch.setattr(train_module, "CheckpointClock",
+    monkeypatch.setattr(bookkeeping, "CheckpointClock",
                         lambda minutes: CheckpointClock(minutes, now=lambda: next(ticks)))
     cfg = TrainConfig(engine="ddp", micro_batch_size=2, effective_batch_size=4, epochs=1, max_steps=4, lr=1e-2,
                       warmup_ratio=0.0, checkpoint_every_minutes=10.0, num_workers=1, seed=7, log_every_steps=1)

@@ -1,22 +1,11 @@
 """Bilevel data curation math: BDS data weights and their omega update (BMO lives in :mod:`raycurate.algorithms.bmo`).
 
 Paper: bilevel-data-curation (eqs. 2, 5, 8-10, Lemma 4, Corollary 5, Algorithm 1); decisions in docs/bilevel.md.
-
-* Data weights (eq. 2): one logit ``omega_i`` per candidate example, ``sigma(omega) = N * softmax(omega)``
-  where the softmax runs over **all** N candidates (the paper's simplex weights scaled by N, so the weights have
-  mean 1 and sum N; a uniform omega gives every example weight exactly 1).
-* Penalty objective: ``L_val(theta) + gamma/N * sum_i sigma_i(omega) L_i(theta)`` with ``gamma = rho/(1 - rho)``;
-  a mini-batch of B candidates estimates the second term without bias by ``gamma * mean_b(sigma_b * l_b)``.
-* omega step (eq. 5b): :func:`update_omega` dispatches on :data:`OMEGA_OPTIMIZERS`.  ``sgd`` and ``adam`` take the
-  exact mini-batch gradient through the full softmax (:func:`omega_gradient`, which gives every unsampled logit a
-  small same-sign coupling term) and apply :func:`sgd_update` / :func:`adam_update`; ``sparse_sgd`` and
-  ``sparse_adam`` take the sampled-row estimator :func:`sampled_omega_gradient` (same expectation over the batch
-  draw, zero on unsampled rows) and apply :func:`sparse_sgd_update` / :func:`sparse_adam_update` (moments and step
-  counts of the sampled rows only).  Dense ``adam`` (the paper's) records the sampling order instead of the loss
-  signal (docs/bilevel.md; kept only as the faithful reproduction).  Everything is float64 numpy and pure, so the same
-  inputs give bit-identical outputs on every worker.
-* BMO (Algorithm 1, eq. 8-10), importance weights and the masked question set, lives in
-  :mod:`raycurate.algorithms.bmo`.
+Data weights ``sigma(omega) = N * softmax(omega)`` over all N candidates (:func:`data_weights`); the penalty schedule
+(:func:`gamma_schedule`); the omega step :func:`update_omega`, dispatching on :data:`OMEGA_OPTIMIZERS` to the dense
+(:func:`omega_gradient` + :func:`sgd_update` / :func:`adam_update`) or sampled-row (:func:`sampled_omega_gradient` +
+:func:`sparse_sgd_update` / :func:`sparse_adam_update`) forms ("The omega optimizer" in docs/bilevel.md).  All of it
+is float64 numpy and pure, so the same inputs give bit-identical outputs on every worker.
 """
 
 from __future__ import annotations
@@ -32,6 +21,10 @@ the sampling order; faithful reproduction only)."""
 SPARSE_OPTIMIZERS = ("sparse_sgd", "sparse_adam")
 OMEGA_BASELINES = ("median", "mean")
 """Baseline of the sampled-row estimator: the median of the rest of the batch (robust) or the unbiased mean."""
+OMEGA_ADAM_BETAS = (0.9, 0.999)
+"""Adam betas of the data logits (``adam`` / ``sparse_adam``; not a config setting)."""
+OMEGA_ADAM_EPS = 1e-8
+"""Adam eps of the data logits."""
 
 
 # --------------------------------------------------------------------------------------------- data weights
@@ -390,8 +383,8 @@ def update_omega(
     gamma: float,
     state: AdamState,
     lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
+    betas: tuple[float, float] = OMEGA_ADAM_BETAS,
+    eps: float = OMEGA_ADAM_EPS,
     baseline: str = "median",
 ) -> tuple[np.ndarray, AdamState]:
     """One omega step (eq. 5b) with optimizer ``optimizer`` (:data:`OMEGA_OPTIMIZERS`); pure, float64.

@@ -3,12 +3,10 @@ docs/bilevel.md.
 
 * :func:`token_logprobs` and :func:`importance_weights` of generated responses (``clip`` or ``self_normalize``,
   optionally per question group), :func:`grouped_response_losses` for the weighted generated-response loss.
-* :func:`masked_questions_fixed` / :func:`masked_questions_dynamic` for the masked question set (the dynamic one
-  masks the questions with the lowest BDS data weights, :func:`raycurate.algorithms.bilevel.data_weights`), and
-  :func:`response_mask_from_prompt` for the response positions of a left-padded generation batch.
+* :func:`masked_questions_fixed` / :func:`masked_questions_dynamic` (the lowest BDS data weights) for the masked
+  set, and :func:`response_mask_from_prompt` for the response positions of a left-padded generation batch.
 
-Label shifting happens only in :func:`raycurate.algorithms.losses.token_losses`; :func:`token_logprobs` builds on it,
-so log-probabilities are aligned with ``input_ids`` exactly like losses and masks.
+Labels shift only in :func:`raycurate.algorithms.losses.token_losses`, which :func:`token_logprobs` builds on.
 """
 
 from __future__ import annotations

@@ -3,18 +3,8 @@
 Flow (four calls, like the reference package): :func:`bucket_counts` over the target (validation) texts and over
 the raw (candidate) texts -> :func:`smoothed_log_probs` of each -> :func:`log_importance_weights` of every raw text
 -> :func:`resample` k of them.  Counts are plain (num_buckets,) arrays, so a distributed caller sums per-shard
-counts before smoothing.
-
-Decisions:
-
-* Features: lowercased word tokens (runs of letters/digits/underscore, or single punctuation marks), their
-  unigrams and adjacent bigrams (``"w1 w2"``), all hashed into the same ``num_buckets`` space with CRC-32 of the
-  UTF-8 text (stable across processes and machines, unlike Python's salted ``hash()``).
-* Distributions: add-one (Laplace) smoothing, ``p(b) = (count_b + 1) / (total + num_buckets)``.
-* Weight of text x: ``log w(x) = sum_b count_b(x) * (log p_target(b) - log p_raw(b))`` (bag-of-n-grams likelihood
-  ratio, not length normalised, as in DSIR).
-* Resampling: k texts without replacement by Gumbel top-k on ``log w`` with an explicit seed, i.e. sampling
-  proportional to ``w`` without replacement.
+counts before smoothing.  The decisions (features, CRC-32 hashing, add-one smoothing, unnormalised weights, Gumbel
+top-k) are docs/bilevel.md, "Decisions the papers leave open".
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """LESS: gradient-feature data selection (Xia et al. 2024; bilevel paper baseline B4), the pure pieces.
 
-Pipeline (the stage runs the model parts): warm up LoRA on a small random subset and keep its Adam state -> per
-training example, the LoRA gradient turned into the Adam update direction (:func:`adam_preconditioned`); per
-validation example, the plain LoRA gradient -> both projected to d dimensions by one seeded random matrix
-(:func:`random_projection`, :func:`project` or, for large P, :func:`project_in_blocks`) -> :func:`less_scores`
--> :func:`select_top_fraction`.
-
-Decisions (following the reference implementation):
-
-* The Adam direction has no bias correction and ``eps`` inside the square root:
-  ``m' = b1 m + (1 - b1) g``, ``v' = b2 v + (1 - b2) g^2``, ``direction = m' / sqrt(v' + eps)``.  Passing ``step``
-  turns on the textbook bias correction of update ``t = step + 1`` instead (``m'/(1 - b1^t)``, ``v'/(1 - b2^t)``).
-* Projection: Rademacher (+-1) or Gaussian entries scaled by ``1/sqrt(d)`` (a Johnson-Lindenstrauss map, so inner
-  products are preserved in expectation).  The matrix is generated in fixed row blocks, each from its own seeded
-  generator, so a blockwise product uses exactly the same matrix as the one-shot product (results agree up to
-  float summation order).
-* Score: cosine similarity of each training feature to each validation feature, averaged over the validation
-  examples of a task and maximised over tasks (LESS's ``mean(-1).max(-1)``); with one task it is the mean cosine
-  to the validation gradients.  Several checkpoints are combined by :func:`combine_checkpoint_scores` with weights
-  proportional to each checkpoint's learning rate.
+Per training example the LoRA gradient turned into the Adam update direction (:func:`adam_preconditioned`), per
+validation example the plain LoRA gradient (:func:`gradient_features`), both projected by one seeded random matrix
+(:class:`Projector`; :func:`random_projection`, :func:`project`, :func:`project_in_blocks`) -> :func:`less_scores`
+(several checkpoints: :func:`combine_checkpoint_scores`) -> :func:`select_top_fraction`.  The model work (warmup,
+orchestration) is :mod:`raycurate.training.less_warmup`; the decisions (Adam direction without bias correction,
+projection blocks, the score) are docs/bilevel.md, "Decisions the papers leave open".
 """
 
 from __future__ import annotations

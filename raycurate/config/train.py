@@ -1,15 +1,9 @@
 """Config section for supervised fine-tuning on Ray Train (``train:`` in a job YAML).
 
-Batch arithmetic: every optimizer step consumes ``effective_batch_size`` examples, made of
-``num_workers`` workers x ``gradient accumulation`` micro-steps x ``micro_batch_size`` examples, so
-``effective_batch_size`` must be a multiple of ``micro_batch_size * num_workers``.
-
-``use_gpu`` and ``bf16`` are tri-state: ``null`` (the default) means "decide from the hardware"
-(GPU iff the Ray cluster has GPUs; bf16 iff training runs on CUDA), ``true``/``false`` force it.
-
-``launcher``: ``ray_train`` starts a ``TorchTrainer`` worker group (tens of seconds per stage on a small machine);
-``task`` runs the same worker function in one Ray task, whose process Ray reuses, so single-worker laptop and CI
-runs pay the start-up and the torch/DeepSpeed imports once.  Multi-worker DDP/DeepSpeed stays on ``ray_train``.
+Batch arithmetic: every optimizer step consumes ``effective_batch_size`` examples = ``num_workers`` workers x
+gradient-accumulation micro-steps x ``micro_batch_size`` examples, so ``effective_batch_size`` must be a multiple of
+``micro_batch_size * num_workers``.  ``use_gpu`` and ``bf16`` are tri-state (``null``: decide from the hardware).
+``launcher``: docs/design.md, "Training launcher".
 """
 
 from __future__ import annotations

@@ -170,14 +170,34 @@ def check_methods(methods: list[str]) -> None:
 
 
 def bilevel_train_config(cfg: JobConfig) -> TrainConfig:
-    """``train`` with the bilevel learning rate and epochs (every bilevel method trains with it); says so when they
-    differ from ``train``'s."""
+    """``train`` with the bilevel learning rate and epochs (every bilevel method trains with it); logs each ``train``
+    setting the bilevel methods replace or ignore (:func:`bilevel_overrides`)."""
+    for note in bilevel_overrides(cfg):
+        log.info("bilevel: %s", note)
+    return dataclasses.replace(cfg.train, lr=cfg.bilevel.lr, epochs=cfg.bilevel.epochs)
+
+
+def bilevel_overrides(cfg: JobConfig) -> list[str]:
+    """What the bilevel methods do differently from the ``train`` section: ``bilevel.lr`` / ``epochs`` replace
+    ``train``'s, BDS weighs per-row mean losses whatever ``train.loss_normalization`` says, and theta's adapter is
+    ``bilevel.adapter`` (not ``train.adapter``) where :func:`adapter_spec` gives one."""
+    notes = []
     replaced = {k: (getattr(cfg.train, k), getattr(cfg.bilevel, k)) for k in ("lr", "epochs")
                 if getattr(cfg.train, k) != getattr(cfg.bilevel, k)}
     if replaced:
-        log.info("bilevel: %s (bilevel.* replaces train.* for every bilevel method)",
-                 ", ".join(f"train.{k}={old} -> bilevel.{k}={new}" for k, (old, new) in replaced.items()))
-    return dataclasses.replace(cfg.train, lr=cfg.bilevel.lr, epochs=cfg.bilevel.epochs)
+        notes.append(", ".join(f"train.{k}={old} -> bilevel.{k}={new}" for k, (old, new) in replaced.items())
+                     + " (bilevel.* replaces train.* for every bilevel method)")
+    if cfg.trains_bds() and cfg.train.loss_normalization == "token":
+        notes.append("train.loss_normalization=token does not apply to BDS, whose lower level weighs each row's mean "
+                     "loss by the row's learned weight (the paper's); the other trainings use it")
+    if cfg.train.adapter == "lora":
+        if cfg.bilevel.adapter == "lora":
+            notes.append(f"train.adapter=lora (train.lora_*) -> bilevel.adapter=lora with bilevel.lora_r="
+                         f"{cfg.bilevel.lora_r}, bilevel.lora_alpha={cfg.bilevel.lora_alpha} for every bilevel method")
+        else:
+            notes.append("train.adapter=lora does not apply to BDS, which trains the full model "
+                         "(bilevel.adapter=full); the other bilevel methods train train's LoRA")
+    return notes
 
 
 def run_bilevel_stages(run: RunDir, cfg: JobConfig, *, evaluate: bool) -> dict:

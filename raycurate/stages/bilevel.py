@@ -1,7 +1,7 @@
 """Bilevel stages (docs/bilevel.md): BDS / BMO training with the online generation hook, training tables for direct
 mixing and the selection baselines, the lower-level loss evaluation and the weight analysis (AUROC by label).
 
-The BDS loop itself is :mod:`raycurate.stages.bilevel_train`; DSIR and LESS selections are
+The BDS driver is :mod:`raycurate.stages.bilevel_train` (loop: :mod:`raycurate.training.bds_loop`); DSIR and LESS are
 :mod:`raycurate.stages.bilevel_select`; plain fine-tuning of the baselines reuses
 :func:`raycurate.stages.model_stages.train_stage`.
 """
@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raycurate.algorithms.ranking import auroc, label_separation
 from raycurate.config.bilevel import BilevelConfig
@@ -22,9 +22,6 @@ from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir, stage_hash
 from raycurate.stages.bridge import read_token_rows
 from raycurate.stages.data_stages import trusted_rows_in
-
-if TYPE_CHECKING:
-    from raycurate.stages.bilevel_train import BDSSettings
 
 log = logging.getLogger("raycurate")
 
@@ -143,19 +140,22 @@ def _rank() -> int:
 # --------------------------------------------------------------------------------------------- BDS stage
 
 
-def bds_settings(bilevel: BilevelConfig, train_cfg: TrainConfig, online: bool) -> BDSSettings:
-    """:class:`BDSSettings` from the bilevel config (validation/candidate rows split the effective batch)."""
-    from raycurate.stages.bilevel_train import BDSSettings
+#: The bilevel settings the BDS loop reads, as hashed under ``bds`` in the BDS stage's config.
+BDS_HASHED_KEYS = ("omega_lr", "omega_optimizer", "omega_baseline", "rho0", "rho_step", "rho_max", "variant", "seed",
+                   "importance", "importance_clip")
 
-    val_batch = bilevel.val_batch if bilevel.val_batch is not None else train_cfg.effective_batch_size // 2
-    return BDSSettings(
-        omega_lr=bilevel.omega_lr, omega_optimizer=bilevel.omega_optimizer, omega_baseline=bilevel.omega_baseline,
-        rho0=bilevel.rho0,
-        rho_step=bilevel.rho_step, rho_max=bilevel.rho_max, val_batch=val_batch,
-        cand_batch=train_cfg.effective_batch_size - val_batch, variant=bilevel.variant, seed=bilevel.seed,
-        generation_every=bilevel.generation_every if online else None, importance=bilevel.importance,
-        importance_clip=bilevel.importance_clip,
-    )
+
+def bds_hash_config(bilevel: BilevelConfig, train_cfg: TrainConfig, online: bool) -> dict[str, Any]:
+    """The ``bds`` entry of the BDS stage's config hash: what the loop reads of ``bilevel``, the resolved batch split,
+    the omega Adam constants and ``generation_every`` (None offline), under the keys finished and checkpointed runs
+    were hashed with (changing a key or a value re-trains them)."""
+    from raycurate.algorithms.bilevel import OMEGA_ADAM_BETAS, OMEGA_ADAM_EPS
+    from raycurate.training.bds_step import bds_batches
+
+    val_batch, cand_batch = bds_batches(train_cfg, bilevel)
+    return {**{k: getattr(bilevel, k) for k in BDS_HASHED_KEYS}, "omega_betas": OMEGA_ADAM_BETAS,
+            "omega_eps": OMEGA_ADAM_EPS, "val_batch": val_batch, "cand_batch": cand_batch,
+            "generation_every": bilevel.generation_every if online else None}
 
 
 def bds_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage: str, base_stage: str,
@@ -173,14 +173,14 @@ def bds_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage
     candidates = output_path(run, candidate_stage, "tokens")
     validation = output_path(run, validation_stage, "tokens")
     base = output_path(run, base_stage, "model")
-    settings = bds_settings(bilevel, train_cfg, online)
     upstream = [candidate_stage, validation_stage, base_stage]
     online_cfg: dict[str, Any] | None
     online_cfg = {k: getattr(bilevel, k) for k in ("online_ratio", "online_mask", "online_samples", "temperature",
                                                    "max_new_tokens", "generation_backend", "generation_actors")}
     if not online:
         online_cfg = None
-    config = {"train": train_cfg, "bds": dataclasses.asdict(settings), "adapter": adapter, "online": online_cfg}
+    config = {"train": train_cfg, "bds": bds_hash_config(bilevel, train_cfg, online), "adapter": adapter,
+              "online": online_cfg}
     # the checkpoint folder ignores max_steps, so raising it (e.g. the next ASHA rung) extends the saved run
     resume_key = stage_hash(run, {**config, "train": dataclasses.replace(train_cfg, max_steps=None)}, upstream)
     scratch = scratch_dir(run, stage)
@@ -194,7 +194,7 @@ def bds_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage
                 str(candidates), str(base), adapter, str(rounds_dir), bilevel.online_ratio,
                 bilevel.online_mask, bilevel.online_samples, bilevel.temperature, bilevel.max_new_tokens,
                 bilevel.seed, backend=bilevel.generation_backend, num_actors=bilevel.generation_actors)
-        metrics = run_bds(str(candidates), str(validation), str(base), str(out / "model"), train_cfg, settings,
+        metrics = run_bds(str(candidates), str(validation), str(base), str(out / "model"), train_cfg, bilevel,
                           storage_dir=str(scratch), name=f"{stage}-{resume_key}", adapter=adapter,
                           generation_hook=hook)
         os.replace(out / "model" / WEIGHTS_FILE, out / WEIGHTS_FILE)

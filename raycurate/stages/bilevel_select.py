@@ -1,24 +1,16 @@
-"""Example-selection baselines of the bilevel pipeline (bilevel paper B4 LESS, B5 DSIR; docs/bilevel.md).
+"""Example-selection baselines of the bilevel pipeline (DSIR and LESS; docs/bilevel.md, "Decisions the papers leave
+open"): each stage scores every candidate against the validation set, keeps ``k = round(fraction * N)`` (halves up,
+at least 1) and writes ``selection.parquet`` (``id``, ``log_weight`` or ``score``, ``selected``; one row per
+candidate in id order), which :func:`raycurate.stages.p2d.selected_ids` reads.
 
-Both stages read a candidate token table and a validation token table, score every candidate against the
-validation set, keep ``k = round(fraction * N)`` of them (halves round up, at least 1) and write
-``selection.parquet`` (output ``selection``) with one row per candidate in id order: ``id``, the score
-(``log_weight`` for DSIR, ``score`` for LESS) and ``selected``, so :func:`raycurate.stages.p2d.selected_ids`
-reads either.
-
-* DSIR (:func:`dsir_select_stage`): hashed unigram+bigram bag-of-words models of the validation texts (target) and
-  of the candidate texts (raw), the log importance weight of each candidate, then k drawn without replacement with
-  probability proportional to the weight (Gumbel top-k with the stage seed).  Pure CPU work in the driver.
-* LESS (:func:`less_select_stage`): one Ray task (1 GPU when the cluster has one) on the base model: LoRA warmup on
-  a seeded random share of the candidates with AdamW, per-candidate LoRA gradients turned into the Adam update
-  direction of the warmup optimizer state, plain LoRA gradients of the validation examples, one seeded random
-  projection of both to ``dim``, the mean cosine to the validation features as the score, and the top k.
+DSIR (:func:`dsir_select_stage`, :mod:`raycurate.algorithms.dsir`) runs in the driver; LESS
+(:func:`less_select_stage`) runs :func:`raycurate.training.less_warmup.less_model_scores` in one Ray task (1 GPU when
+the cluster has one).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 from raycurate.rundir import RunDir
@@ -163,13 +155,11 @@ def less_scores_task(model_dir: str, candidate_tokens: str, validation_tokens: s
     Returns:
         ``ids`` of the candidates (sorted), their ``scores`` in that order, and summary numbers.
     """
-    import numpy as np
     import torch
 
-    from raycurate.algorithms.less import Projector, gradient_features, less_scores, trainable_named
     from raycurate.models.adapters import apply_adapter
     from raycurate.models.loading import best_device, load_model, load_tokenizer
-    from raycurate.training.less_warmup import adam_moments, warmup_lora
+    from raycurate.training.less_warmup import less_model_scores
 
     columns = ["id", "input_ids", "loss_mask"]
     candidate_rows, validation_rows = sorted_rows(candidate_tokens, columns), sorted_rows(validation_tokens, columns)
@@ -180,27 +170,11 @@ def less_scores_task(model_dir: str, candidate_tokens: str, validation_tokens: s
     model = apply_adapter(load_model(model_dir, dtype="float32", device=device),
                           {"kind": "lora", "r": lora_r, "alpha": lora_alpha, "targets": LORA_TARGETS})
     pad_id = load_tokenizer(model_dir).pad_token_id or 0
-    n_warm = max(1, math.floor(warmup_fraction * len(candidate_rows) + 0.5))
-    warm = np.sort(np.random.default_rng(seed).choice(len(candidate_rows), size=n_warm, replace=False))
-
-    started = time.time()
-    optimizer, epoch_losses = warmup_lora(model, [candidate_rows[i] for i in warm], pad_id=pad_id,
-                                          epochs=warmup_epochs, lr=lr, batch_size=batch_size, seed=seed)
-    warmup_seconds = time.time() - started
-
-    started = time.time()
-    params = [p for _, p in trainable_named(model)]
-    n_params = sum(p.numel() for p in params)
-    projector = Projector(n_params, dim, seed, device)  # also when n_params <= dim: one code path
-    group = optimizer.param_groups[0]
-    train = gradient_features(model, candidate_rows, pad_id=pad_id, projector=projector,
-                              moments=adam_moments(optimizer, params), betas=group["betas"], eps=group["eps"])
-    val = gradient_features(model, validation_rows, pad_id=pad_id, projector=projector)
-    scores = less_scores(train, val)  # (N,)
-    return {"ids": [r["id"] for r in candidate_rows], "scores": scores.tolist(), "validation": len(validation_rows),
-            "lora_parameters": n_params, "warmup_rows": n_warm,
-            "warmup_losses": epoch_losses, "warmup_seconds": round(warmup_seconds, 3),
-            "feature_seconds": round(time.time() - started, 3), "device": device}
+    info = less_model_scores(model, candidate_rows, validation_rows, pad_id=pad_id, dim=dim,
+                             warmup_fraction=warmup_fraction, warmup_epochs=warmup_epochs, lr=lr,
+                             batch_size=batch_size, seed=seed, device=device)
+    return {"ids": [r["id"] for r in candidate_rows], "scores": info.pop("scores"),
+            "validation": len(validation_rows), **info, "device": device}
 
 
 def less_select_stage(run: RunDir, stage: str, *, candidate_stage: str, validation_stage: str, base_stage: str,

@@ -1,45 +1,12 @@
-"""Supervised fine-tuning stage: Ray Train ``TorchTrainer`` with DeepSpeed ZeRO (default) or plain torch DDP.
-
-Run it::
+"""Supervised fine-tuning on Ray Train: :class:`SFTJob`, the per-worker :func:`train_loop`, :class:`RaySession`
+(the Ray Train ``TrainSession``), the launchers (``train.launcher``: a ``TorchTrainer`` worker group or one Ray task)
+and the driver :func:`run_sft`.  The torch/DeepSpeed machinery is :mod:`raycurate.training`; the design is
+docs/design.md ("Layers", "Training launcher").  Run it::
 
     from raycurate.config.train import TrainConfig
     from raycurate.stages.train import run_sft
     metrics = run_sft("runs/x/tokenize/train.parquet", "models/base", "runs/x/sft/model", TrainConfig(),
                       storage_dir="runs/x/ray_train", name="sft")
-
-This module holds the job, the per-worker loop, the Ray Train session and the driver; the torch/DeepSpeed machinery
-is :mod:`raycurate.training` (no Ray).  The worker loop is a chain of small, replaceable pieces so later methods
-(compact SFT, sparse-head adapters, LoRA, bilevel data weights) swap one piece, not the loop:
-``build_resumed_engine`` (``DeepSpeedEngine`` | ``DDPEngine``, :mod:`~raycurate.training.engines`) ->
-``micro_batch_rows`` (:mod:`~raycurate.training.order`) + ``collate`` (:mod:`~raycurate.training.batches`) ->
-``engine.train_micro_batch(batch, loss_fn, is_boundary)`` -> ``save_checkpoint``
-(:mod:`~raycurate.training.checkpoint`) -> ``export_hf`` (:mod:`~raycurate.training.export`).  :func:`train_loop`
-runs against the small :class:`~raycurate.training.protocol.TrainSession` interface; :class:`RaySession` implements it
-on Ray Train (it stays here: it is the only piece that needs ``ray.train``), and a test double runs the same loop
-in-process without Ray.  :func:`launch_trainer` hands a worker entry (:func:`sft_entry`, or BDS's) its session:
-``train.launcher=ray_train`` starts a TorchTrainer worker group with a :class:`RaySession` on each worker;
-``train.launcher=task`` (one worker only) runs the entry in one Ray task with a
-:class:`~raycurate.training.session.TaskSession` and a 1-rank process group, skipping the worker-group start-up
-(Ray reuses the task's process, so later stages also skip the torch/DeepSpeed imports).
-
-Decisions:
-
-* Data order and resume: :mod:`raycurate.training.order` and :mod:`raycurate.training.session`.  Checkpoints are
-  taken every ``checkpoint_every_steps`` steps (or at the end of each epoch) and always after the last step, so a
-  later run with a larger ``max_steps`` can extend it.
-* Precision and loss: :mod:`raycurate.training.engines`; the loss is ``weighted_batch_loss(example_losses(...),
-  weight)`` per micro-batch and the logged step loss is its mean over the effective batch (all-reduced over ranks).
-* Checkpoints: every rank writes its own ZeRO shard files and reports them through ``ray.train.report``; Ray
-  Train puts all ranks' files into one checkpoint folder in its storage.  The final HF checkpoint of a ZeRO-1/2/3
-  run is consolidated from those persisted shards (:mod:`raycurate.training.export`).
-* Resume on a different worker count (universal checkpoints) and the DeepSpeed 0.19 repairs:
-  :mod:`raycurate.training.zero_checkpoint`.
-* Worker failures: ``train.max_failures`` is Ray Train's ``FailureConfig``; a restarted worker group resumes from
-  the latest checkpoint in the same ``fit()``.  With ``launcher=task`` it is the task's ``max_retries`` (exceptions
-  retried too, like Ray Train) and a retried task resumes from the newest ``checkpoint_step_*`` folder.
-* Outputs: ``output_dir`` (written by rank 0, atomically) holds the HF checkpoint (safetensors), the tokenizer
-  files copied from ``init_model`` and ``train_metrics.json``.  On a multi-node cluster ``output_dir`` and
-  ``storage_dir`` must be on storage shared by the workers and the driver.
 """
 
 from __future__ import annotations
@@ -63,18 +30,12 @@ from raycurate.training.batches import (
     to_device,
     token_sft_loss,
 )
+from raycurate.training.bookkeeping import StepBook
 from raycurate.training.checkpoint import save_checkpoint
 from raycurate.training.collectives import all_reduce_sum
 from raycurate.training.deepspeed_config import check_offload, grad_accum_steps
 from raycurate.training.export import METRICS_FILE, export_hf, run_metrics
-from raycurate.training.order import (
-    CheckpointClock,
-    epoch_order,
-    micro_batch_rows,
-    should_checkpoint,
-    steps_per_epoch,
-    total_steps,
-)
+from raycurate.training.order import epoch_order, micro_batch_rows, steps_per_epoch, total_steps
 from raycurate.training.protocol import TrainSession
 from raycurate.training.session import (
     FAULT_ENV,
@@ -192,7 +153,13 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn | None = None
 
     schedule: Any = None  # (per_epoch, accum, world) row indices of the current epoch
     schedule_epoch = -1
-    clock = CheckpointClock(cfg.checkpoint_every_minutes)
+    book = StepBook(state, cfg, run_steps, per_epoch, accum * session.world_size, session.rank)
+
+    def save() -> None:
+        metrics = run_metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
+                              time.perf_counter() - started, trainable)
+        save_checkpoint(engine, session, state, metrics, cfg)
+
     for step in range(start_step, run_steps):
         epoch, step_in_epoch = divmod(step, per_epoch)
         if epoch != schedule_epoch:
@@ -211,26 +178,14 @@ def train_loop(job: SFTJob, session: TrainSession, loss_fn: LossFn | None = None
             tokens += int(batch["attention_mask"].sum())
             loss = engine.train_micro_batch(to_device(batch, device), loss_fn, is_boundary=k == accum - 1)
             loss_sum += float(loss)
-        loss_total, tokens_total, clock_due = all_reduce_sum([loss_sum, tokens, clock.due_flag()], device)
-        state.step = step + 1
-        state.loss_per_step.append(loss_total / (accum * session.world_size))
-        state.lr_per_step.append(step_lr)
-        state.tokens += int(tokens_total)
-        state.supervised_tokens += supervised_total
-        state.examples += cfg.effective_batch_size
-        state.seconds += time.perf_counter() - step_started
-        if session.rank == 0 and (state.step % cfg.log_every_steps == 0 or state.step == run_steps):
-            logger.info("step %d/%d loss %.4f lr %.3g", state.step, run_steps, state.loss_per_step[-1],
-                        state.lr_per_step[-1])
-        if should_checkpoint(state.step, run_steps, per_epoch, cfg.checkpoint_every_steps) or clock_due > 0:
-            metrics = run_metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
-                              time.perf_counter() - started, trainable)
-            save_checkpoint(engine, session, state, metrics, cfg)
-            clock.saved()
+        loss_total, tokens_total, clock_due = all_reduce_sum([loss_sum, tokens, book.clock.due_flag()], device)
+        book.record(step, loss_sum=loss_total, lr=step_lr, tokens=tokens_total, supervised=supervised_total,
+                    examples=cfg.effective_batch_size, started=step_started)
+        book.close(clock_due, save, ("lr %.3g", (state.lr_per_step[-1],)))
         maybe_inject_fault(session, state.step)
 
     metrics = run_metrics(job, state, start_step, run_steps, per_epoch, session.world_size,
-                      time.perf_counter() - started, trainable)
+                          time.perf_counter() - started, trainable)
     export_hf(engine, job, metrics, session)
     session.report(metrics, None)
     return metrics

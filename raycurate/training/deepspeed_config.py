@@ -1,22 +1,8 @@
 """DeepSpeed config dict and the batch arithmetic shared by both training engines (pure, no Ray/DeepSpeed import).
 
-Decisions:
-
-* The optimizer and LR scheduler are client objects (``torch.optim.AdamW`` + ``LambdaLR``) handed to
-  ``deepspeed.initialize``; the config therefore has no ``optimizer``/``scheduler`` blocks and sets
-  ``zero_allow_untested_optimizer`` (DeepSpeed's own CPU Adam JIT-compiles for about a minute).
-* ``overlap_comm`` is off: it needs CUDA streams and buys nothing at the model sizes run on CPU.
-* ZeRO-3 sets ``stage3_gather_16bit_weights_on_model_save`` so DeepSpeed's own ``save_16bit_model`` works on
-  an engine this config built; raycurate's final export does not use it (it consolidates the fp32 checkpoint
-  shards with ``zero_to_fp32``; see :mod:`raycurate.training.zero_checkpoint`).
-* Offload (``train.offload_optimizer`` / ``train.offload_params``) keeps the *client* AdamW: DeepSpeed would
-  otherwise insist on its own ``DeepSpeedCPUAdam`` (a C++ op compiled on first use), so the config sets
-  ``zero_force_ds_cpu_optimizer: false``.  torch's AdamW then steps the fp32 master partitions on the CPU.
-  ``pin_memory`` is on only on GPUs (pinned host buffers speed up the device <-> host copies; on CPU they are
-  meaningless).
-* Universal checkpoints: every checkpoint carries ``universal_checkpoint_info`` (see
-  :data:`UNIVERSAL_CLIENT_STATE`) so it can be converted with ``ds_to_universal`` and resumed on a different
-  worker count; ``load_universal`` is set only for such a resume.
+Why the config looks as it does (client AdamW and schedule, offload without DeepSpeed's CPU Adam, universal
+checkpoint info in every checkpoint): docs/design.md, "DeepSpeed version".  The engines are
+:mod:`raycurate.training.engines`.
 """
 
 from __future__ import annotations

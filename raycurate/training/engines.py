@@ -2,12 +2,8 @@
 
 An engine wraps a model for one worker of an already-initialised process group and exposes
 ``train_micro_batch(batch, loss_fn, is_boundary)``, ``lr()``, ``save(ckpt_dir, rank)``, ``load(ckpt_dir, session)``,
-``full_state_dict(session)`` and ``module`` (the unwrapped model).
-
-Precision: DeepSpeed loads the model in bf16 on GPU when bf16 is on (its ZeRO optimizer keeps fp32 master weights);
-DDP keeps fp32 weights and runs the forward under ``torch.autocast(bf16)``.  CPU training is fp32.  Loss: gradients
-are averaged over accumulation micro-steps and ranks, so an optimizer step minimises the mean of ``w_i * l_i`` over
-its effective batch.
+``full_state_dict(session)`` and ``module`` (the unwrapped model).  Precision and loss averaging: docs/design.md
+("Layers", "DeepSpeed version").
 """
 
 from __future__ import annotations

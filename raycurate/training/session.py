@@ -1,13 +1,8 @@
 """Resume, per-worker set-up and fault injection of a training loop, against the session protocol.
 
 :class:`~raycurate.training.protocol.TrainSession` is the small runtime interface of a worker (rank, world size,
-device, restore, report). ``raycurate.stages.train.RaySession`` implements it on Ray Train; that implementation stays
-in the stages layer because it is the only part that needs ``ray.train``.  Tests run the same loops in-process with
-a double.
-
-Resume: a checkpoint stores the optimizer step it was taken after; a resumed run recomputes the same data order and
-starts at the next step, so it sees exactly the data an uninterrupted run would.  The LR schedule is a function of
-the *current* run's total steps, so extending a run changes the remaining schedule.
+device, restore, report); ``raycurate.stages.train.RaySession`` implements it on Ray Train, tests with a double.
+A resumed run recomputes the data order and starts at the next step (docs/design.md, "Layers").
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ def needs_universal_resume(saved: TrainState | None, cfg: TrainConfig, world_siz
 
     Raises:
         ValueError: The checkpoint was written with another ZeRO stage (DeepSpeed 0.19's universal loader fails
-            on that; see :mod:`raycurate.training.zero_checkpoint` for the upgrade path).
+            on that; the upgrade path is docs/design.md, "DeepSpeed version").
     """
     if saved is None or cfg.engine != "deepspeed" or saved.world_size == 0:  # 0: written before this was recorded
         return False

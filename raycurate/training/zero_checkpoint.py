@@ -1,41 +1,8 @@
 """ZeRO checkpoints beyond DeepSpeed's own save/load: consolidation to a full state dict, conversion to a universal
 checkpoint (resume on another worker count), and the repairs DeepSpeed 0.19's universal loader needs.
 
-Resume on a different worker count: ``trainer_state.json`` records the world size and ZeRO stage that wrote a
-checkpoint.  When the world size differs, local rank 0 of every node converts the checkpoint with DeepSpeed's
-``ds_to_universal`` into a private temp folder and every rank loads that universal checkpoint
-(``checkpoint.load_universal``).  Step ``s`` trains on the same ``effective_batch_size`` rows whatever the world size,
-so the run continues the same trajectory up to floating-point summation order (tested to 1e-5 for ZeRO-2 and ZeRO-3
-with offload).  Consolidation (the final export of ZeRO-1/2/3) holds the full fp32 state dict in rank 0's host
-memory (4 bytes per parameter).
-
-DeepSpeed version and upgrade path
-----------------------------------
-
-``pyproject.toml`` pins ``deepspeed>=0.19,<0.20``: everything here was written and tested against 0.19.x (0.19.8).
-What is version-specific, and what to do when moving to a newer DeepSpeed:
-
-1. :func:`repair_zero3_universal_load` -- two defects of the ZeRO-3 universal loader
-   (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``): one ``step`` tensor shared by every fp32 sub-group's
-   Adam state, and the first parameter group's hyper-parameters copied into every group.  After an upgrade, run
-   ``tests/test_train_stage.py::test_zero3_param_and_optimizer_offload_resume_on_one_worker`` with the repair
-   disabled (make ``DeepSpeedEngine._load_tag`` skip it): if the 1e-5 match to the ZeRO-2 reference holds, upstream
-   fixed both defects -- delete the repair and its call.  If only one is fixed the test still fails; drop the half
-   that became a no-op (the ``step`` clone is harmless when tensors are already distinct; the weight-decay reset is
-   harmless when groups are already right) only after checking DeepSpeed's loader source.
-2. The ZeRO stage-change refusal in :func:`raycurate.training.session.needs_universal_resume` -- 0.19 cannot load
-   one stage's universal checkpoint into another stage.  Re-test by resuming a ZeRO-2 checkpoint with
-   ``zero_stage=3`` (add a slow test); lift the refusal only if the weights match a same-stage resume.
-3. ``ds_to_universal`` is run as a subprocess with ``--no_strict`` and one extract/merge worker
-   (:func:`convert_to_universal`); its CLI flags have changed between releases -- re-run
-   ``test_zero2_offload_resumes_on_one_worker_like_on_two`` and the ZeRO-3 resume test.
-4. :data:`raycurate.training.deepspeed_config.UNIVERSAL_CLIENT_STATE` (``universal_checkpoint_version 0.2``) is what
-   0.19's converter requires in ``client_state``; check it against ``deepspeed/checkpoint/constants.py``.
-5. ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` (:func:`consolidate_zero_checkpoint`) and the config
-   keys ``zero_force_ds_cpu_optimizer`` / ``checkpoint.load_universal`` -- covered by the ZeRO-2/3 export tests.
-
-The whole re-test: ``pytest -m slow tests/test_train_stage.py tests/test_bilevel_train.py`` (several minutes each on
-CPU), then the GPU-marked bf16 test on a GPU.  Then widen the pin to the tested line.
+The resume procedure, the version pin and the upgrade path (which repair to drop after an upgrade, what to re-test)
+are docs/design.md, "DeepSpeed version".
 """
 
 from __future__ import annotations
