@@ -76,8 +76,7 @@ def train_reference(model_dir: Path, rows: list[dict], steps: int, pad_id: int, 
     """A reference model trained here: ``steps`` AdamW steps of SFT on ``rows`` (cycled, fixed order), eval mode."""
     import torch
 
-    from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import mean_supervised_loss, model_token_losses
+    from raycurate.algorithms.losses import mean_supervised_loss, model_token_losses, pad_rows
     from raycurate.models.loading import load_model
 
     torch.manual_seed(0)

@@ -73,8 +73,7 @@ def token_splits(tokenizer, corpus_seed: int, n_rows: int, system_prompt: str = 
 
 
 def warmup_sft(model, rows: list[dict], pad_id: int, seed: int, lr: float = 5e-4, batch: int = 32) -> float:
-    from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import example_losses
+    from raycurate.algorithms.losses import example_losses, pad_rows
 
     order = np.random.default_rng(seed).permutation(len(rows))
     steps = math.ceil(len(rows) / batch)
@@ -98,7 +97,7 @@ def warmup_sft(model, rows: list[dict], pad_id: int, seed: int, lr: float = 5e-4
 
 def direction_for(model, theta_old: dict, rows: list[dict], pad_id: int, last_layers: int = 4) -> dict:
     from raycurate.algorithms import token_utility as tu
-    from raycurate.algorithms.bridge import pad_rows
+    from raycurate.algorithms.losses import pad_rows
 
     params = tu.scoring_parameters(model, last_layers)
     batches = [pad_rows(rows[i:i + 16], pad_id) for i in range(0, len(rows), 16)]

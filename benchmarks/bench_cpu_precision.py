@@ -94,7 +94,7 @@ def timed_arms(model_name: str, ids: torch.Tensor, repeats: int) -> dict[tuple[s
 
 def corpus_batch(model_name: str, rows: int, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(scored batch, validation batch) of tokenized corpus rows, right-padded."""
-    from raycurate.algorithms.bridge import pad_rows
+    from raycurate.algorithms.losses import pad_rows
     from raycurate.data.corpus import generate_corpus
     from raycurate.data.tokenize import tokenize_record
     from raycurate.models.loading import load_tokenizer

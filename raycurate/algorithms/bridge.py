@@ -17,6 +17,7 @@ import torch
 
 from raycurate.algorithms.alignment import spans_from_flat
 from raycurate.algorithms.closure import final_answer_covered, project_response
+from raycurate.algorithms.losses import pad_rows
 from raycurate.algorithms.routing import attention_for_layer, interaction_terms, routing_weights
 from raycurate.algorithms.selection import (
     BUDGET_MODES,
@@ -289,24 +290,6 @@ def corpus_response_masks(rows: Sequence[Mapping[str, Any]], response_scores: Se
         out.append({"response_mask": mask, "response_idx": response_idx, "b_r": int(b),
                     "supervised_response": int(mask.sum()), **info})
     return out
-
-
-def pad_rows(rows: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad token rows into a batch.
-
-    Returns:
-        ``input_ids``, ``attention_mask``, ``loss_mask``: (B, T) long tensors.
-    """
-    width = max(len(r["input_ids"]) for r in rows)
-    batch = {k: torch.zeros((len(rows), width), dtype=torch.long) for k in ("input_ids", "attention_mask",
-                                                                          "loss_mask")}
-    batch["input_ids"].fill_(pad_id)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        batch["input_ids"][i, :n] = torch.as_tensor(r["input_ids"])
-        batch["attention_mask"][i, :n] = 1
-        batch["loss_mask"][i, :n] = torch.as_tensor(r["loss_mask"])
-    return batch
 
 
 @dataclass

@@ -47,7 +47,7 @@ def compute_direction(theta_bar_dir: str, theta_old_dir: str, validation_tokens:
     safetensors.  Runs inside a Ray task (on a GPU when the cluster has one)."""
     from safetensors.torch import save_file
 
-    from raycurate.algorithms.bridge import pad_rows
+    from raycurate.algorithms.losses import pad_rows
     from raycurate.algorithms.token_utility import (
         anchor_direction,
         global_norm,

@@ -173,8 +173,7 @@ def row_token_losses(models: dict[str, Any], rows: list[dict], pad_id: int, *, w
     """
     import torch
 
-    from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import model_token_losses
+    from raycurate.algorithms.losses import model_token_losses, pad_rows
 
     out = {}
     for name, model in models.items():

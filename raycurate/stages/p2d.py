@@ -477,9 +477,8 @@ class IfdUDF:
         import pyarrow as pa
         import torch
 
-        from raycurate.algorithms.bridge import pad_rows
         from raycurate.algorithms.ifd import ifd_scores
-        from raycurate.algorithms.losses import model_example_losses
+        from raycurate.algorithms.losses import model_example_losses, pad_rows
         from raycurate.data.chat_layout import response_alone
 
         require_columns(self.stage, batch, self.REQUIRED_COLUMNS)
