@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from raycurate.algorithms import token_baselines as tb
-    from raycurate.algorithms.bridge import fixed_masks
+    from raycurate.algorithms.bridge import token_baselines as tb
+    from raycurate.algorithms.bridge.rows import fixed_masks
     from raycurate.models.loading import load_model, load_tokenizer
     from raycurate.stages.bridge_compact import row_token_losses
 

@@ -35,7 +35,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from raycurate.algorithms.selection import top_b
+from raycurate.algorithms.bridge.selection import top_b
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PRECISIONS = ("fp32", "autocast", "bf16")
@@ -110,7 +110,7 @@ def corpus_batch(model_name: str, rows: int, seed: int) -> tuple[dict[str, torch
 def utilities(model_name: str, precision: str, scored: dict, validation: dict, last_layers: int,
               threads: int) -> tuple[np.ndarray, float]:
     """(B, T) utilities along the validation direction (lam = 0) and the seconds of the utility pass."""
-    from raycurate.algorithms.token_utility import (
+    from raycurate.algorithms.bridge.token_utility import (
         scoring_direction,
         scoring_parameters,
         token_utilities,

@@ -10,7 +10,7 @@ code does) reads the wrong group for most heads and runs past the end of K/V for
 A head's vector is the concatenation, in this order, of its q rows, its group's k rows, its group's v rows and
 (optionally) its o columns, each flattened row-major (a (head_dim, hidden) block; the o block is taken as the
 transposed (head_dim, hidden) slice so every block has the same layout).  The order matters to index-support
-scores such as W1 (:mod:`raycurate.algorithms.head_scoring`) and is fixed here.
+scores such as W1 (:mod:`raycurate.algorithms.p2d.head_scoring`) and is fixed here.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ are outside the budgets (App. G.1): :func:`eligible_positions` lists the eligibl
 budgets over them, :func:`select` picks subsets, :func:`to_row_masks` maps the result back onto the token row.
 
 The generic 0/1 knapsack solvers :func:`knapsack_dp` (exact) and :func:`greedy_density` (by density) pick whole
-items under a capacity; the closure projection (:mod:`raycurate.algorithms.closure`) uses them on units.
+items under a capacity; the closure projection (:mod:`raycurate.algorithms.bridge.closure`) uses them on units.
 
 Ties are broken by position everywhere (earlier position first), so the same input always gives the same output.
 """
@@ -30,7 +30,7 @@ from typing import Literal
 
 import numpy as np
 
-from raycurate.algorithms import kernels
+from raycurate.algorithms.bridge import kernels
 
 Schedule = Literal["independent", "one_pass", "alternating"]
 SCHEDULES: tuple[Schedule, ...] = ("independent", "one_pass", "alternating")
@@ -428,7 +428,7 @@ def knockout_update(
     """One coupled update with externally computed prompt scores (``bridge.prompt_proxy = knockout_grad``).
 
     ``prompt_scores`` replace ``Delta_p(. | S_r)``: the first-order knock-out derivative conditioned on
-    ``state.response_mask`` (:func:`raycurate.algorithms.token_utility.knockout_prompt_scores`).  Then
+    ``state.response_mask`` (:func:`raycurate.algorithms.bridge.token_utility.knockout_prompt_scores`).  Then
     ``S_p = Top_bp prompt_scores`` and ``S_r = Top_br Delta_r(. | S_p)`` with the routing surrogate's
     ``Delta_r(j | S_p) = gamma_j + sum_{i in S_p} beta_ij`` (a reverse pass gives the knock-out derivative only as
     row sums over one response weighting, not the (p, r) matrix the response side would need).  ``u_sur`` extends

@@ -15,11 +15,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from raycurate.algorithms.alignment import spans_from_flat
-from raycurate.algorithms.closure import final_answer_covered, project_response
-from raycurate.algorithms.losses import pad_rows
-from raycurate.algorithms.routing import attention_for_layer, interaction_terms, routing_weights
-from raycurate.algorithms.selection import (
+from raycurate.algorithms.bridge.alignment import spans_from_flat
+from raycurate.algorithms.bridge.closure import final_answer_covered, project_response
+from raycurate.algorithms.bridge.routing import attention_for_layer, interaction_terms, routing_weights
+from raycurate.algorithms.bridge.selection import (
     BUDGET_MODES,
     Schedule,
     SelectionResult,
@@ -33,7 +32,8 @@ from raycurate.algorithms.selection import (
     to_row_masks,
     top_b,
 )
-from raycurate.algorithms.token_utility import knockout_prompt_scores, token_utilities
+from raycurate.algorithms.bridge.token_utility import knockout_prompt_scores, token_utilities
+from raycurate.algorithms.losses import pad_rows
 
 SCHEDULES: tuple[Schedule, ...] = ("independent", "one_pass", "alternating")
 PROMPT_PROXIES = ("routing", "knockout_grad")
@@ -169,7 +169,7 @@ def select_example(
         settings: Budgets, schedule, closure options.
         prompt_scores: optional (n,) knock-out prompt scores (``settings.prompt_proxy = "knockout_grad"``),
             conditioned on the routing selection's S_r (:func:`knockout_weights`); they replace Delta_p in one
-            final coupled update (:func:`raycurate.algorithms.selection.knockout_update`).
+            final coupled update (:func:`raycurate.algorithms.bridge.selection.knockout_update`).
 
     Returns:
         ``prompt_keep`` (p,) int8, ``loss_mask`` (n,) int8, ``response_scores`` (r,) float32 (final conditional
@@ -260,7 +260,7 @@ def _first_tokens(row: Mapping[str, Any], response_idx: np.ndarray, scores: np.n
 def corpus_response_masks(rows: Sequence[Mapping[str, Any]], response_scores: Sequence[np.ndarray],
                           settings: SelectionSettings) -> list[dict[str, Any]]:
     """``bridge.budget = corpus``: one response budget over all rows, allocated by the rows' final conditional
-    response scores (:func:`raycurate.algorithms.selection.corpus_budgets` at ``rho_r`` with ``row_floor``), then
+    response scores (:func:`raycurate.algorithms.bridge.selection.corpus_budgets` at ``rho_r`` with ``row_floor``), then
     each row's Top-b_i (and closure) at its own b_i.  The prompt selections are the per-example ones.
 
     Args:

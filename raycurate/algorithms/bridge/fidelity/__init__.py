@@ -8,8 +8,8 @@ conventions every part shares), :mod:`.reference` (part 2), :mod:`.proxies` (par
 Three parts, all per example and pure (numpy for the metrics, torch only where the model is evaluated):
 
 1. **Metrics** (in :mod:`raycurate.algorithms.ranking`) between a reference score vector and a proxy score vector
-   over the same candidates, with the budget-``b`` Top-b sets taken by :func:`raycurate.algorithms.selection.top_b`
-   (ties by position): :func:`spearman` (average ranks for ties),
+   over the same candidates, with the budget-``b`` Top-b sets taken by
+   :func:`raycurate.algorithms.bridge.selection.top_b` (ties by position): :func:`spearman` (average ranks for ties),
    :func:`top_b_overlap` ``|Top_b(ref) & Top_b(proxy)| / b``, :func:`jaccard` ``|.&.| / |.|.|``,
    :func:`normalized_regret` and :func:`utility_retention`.  With
    ``U_ref(S) = sum_{x in S} ref_x``, App. F.2 defines the retention ``Ret = U_ref(S_proxy) / U_ref(S_ref)`` and
@@ -26,7 +26,7 @@ Three parts, all per example and pure (numpy for the metrics, torch only where t
 2. **Exact conditional reference scores** (App. F.1, F.2) for one example with direction ``v``:
    ``beta^exact_ij = v . [g_j(P) - g_j(T_i(P))] = a_j(P) - a_j(T_i(P))`` where ``T_i(P)`` physically removes prompt
    token ``i`` (later positions shift left) and ``a_j`` is the JVP token utility
-   (:func:`raycurate.algorithms.token_utility.token_utilities`); the leave-one-out rows all have length ``n - 1``
+   (:func:`raycurate.algorithms.bridge.token_utility.token_utilities`); the leave-one-out rows all have length ``n - 1``
    and go through the model as batches of ``chunk`` rows, one JVP call per chunk.  Then
    ``Delta_p^exact(i | S_r) = sum_{j in S_r} beta^exact_ij`` and ``Delta_r^exact(j | S_p) = a_j(S_p)``, the
    utility recomputed on the physically compacted prompt (paper §5.4, App. F.2).
@@ -37,7 +37,7 @@ Three parts, all per example and pure (numpy for the metrics, torch only where t
    :func:`ranking_shift` measures Fig. 2(b): one minus the Spearman correlation between the full-retention
    ranking and the ranking conditioned on a smaller opposite-side subset.
 
-Fixed positions (decision, consistent with :func:`raycurate.algorithms.selection.fold_fixed_positions`): the
+Fixed positions (decision, consistent with :func:`raycurate.algorithms.bridge.selection.fold_fixed_positions`): the
 candidates are the *eligible* positions; fixed prompt tokens (BOS, template) stay in every compacted prompt and
 fixed response tokens (EOS, end-of-turn) are always supervised, so they enter both the reference
 (``Delta_p^exact`` sums over ``S_r`` plus the fixed response positions) and the proxies (folded into ``gamma``
@@ -48,7 +48,7 @@ The conditioning state of a diagnosed example is the final BRIDGE selection ``(S
 surrogate at the configured budgets (decision; §5.4 does not name the state).
 """
 
-from raycurate.algorithms.fidelity.diagnose import (
+from raycurate.algorithms.bridge.fidelity.diagnose import (
     STATE_METRICS,
     FidelityExample,
     example_fidelity,
@@ -56,16 +56,16 @@ from raycurate.algorithms.fidelity.diagnose import (
     state_fidelity_table,
     state_recomputed_fidelity,
 )
-from raycurate.algorithms.fidelity.eligible import SIDES
-from raycurate.algorithms.fidelity.proxies import KNOCKOUT, PROXIES, knockout_scores, proxy_scores
-from raycurate.algorithms.fidelity.reference import (
+from raycurate.algorithms.bridge.fidelity.eligible import SIDES
+from raycurate.algorithms.bridge.fidelity.proxies import KNOCKOUT, PROXIES, knockout_scores, proxy_scores
+from raycurate.algorithms.bridge.fidelity.reference import (
     compacted_utilities,
     exact_interactions,
     exact_reference_scores,
     leave_one_out_rows,
     reference_from_interactions,
 )
-from raycurate.algorithms.fidelity.shift import (
+from raycurate.algorithms.bridge.fidelity.shift import (
     DEFAULT_RETENTIONS,
     mean_ranking_shift,
     nested_random_masks,

@@ -1,5 +1,5 @@
 """Token-to-character alignment of a response: are a row's per-token character offsets inside the text, monotone,
-and covering every non-space character?  The structural units (:mod:`raycurate.algorithms.units`) and the closure
+and covering every non-space character?  The structural units (:mod:`raycurate.algorithms.bridge.units`) and the closure
 projection trust token ownership only when this check passes (docs/bridge.md).  Split out of ``units`` to keep
 that module about segmentation.
 """

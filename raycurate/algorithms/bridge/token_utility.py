@@ -19,7 +19,7 @@ validation direction.
 
 :func:`token_utilities` computes ``a_t`` for every supervised position of a batch in one forward-mode pass.
 For Llama / Qwen2 / Mistral decoder layers (transformers >= 5, SiLU MLP, a direction on layer weights and biases)
-the pass uses hand-written rules (:mod:`raycurate.algorithms.dual_layers`: RMSNorm, rotary GQA attention and
+the pass uses hand-written rules (:mod:`raycurate.algorithms.bridge.dual_layers`: RMSNorm, rotary GQA attention and
 SwiGLU carry the tangent beside the hidden states, each linear reads ``[x; dx]`` in one matmul, and the last layer
 computes only the positions that predict a supervised token): ~2.5 forwards at L = 4 of 4 on the tiny model where
 the generic path below took ~4.6.  ``token_utilities(..., hand_written=False)`` and every other model take the
@@ -52,7 +52,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from raycurate.algorithms.dual_layers import (
+from raycurate.algorithms.bridge.dual_layers import (
     DualPlan,
     decoder_layers,
     patched_dual_layers,
@@ -385,7 +385,7 @@ def token_utilities(
 def _hand_written_window_tangent(model: nn.Module, plan: DualPlan, head: nn.Linear, input_ids: torch.Tensor,
                                  attention_mask: torch.Tensor, window_ids: torch.Tensor, window_mask: torch.Tensor,
                                  rows: slice) -> torch.Tensor | None:
-    """(B, W) loss tangents of the window through :mod:`raycurate.algorithms.dual_layers` (None: no tangent).
+    """(B, W) loss tangents of the window through :mod:`raycurate.algorithms.bridge.dual_layers` (None: no tangent).
 
     ``rows`` are the positions that predict ``window_ids[:, 1:]``; the last layer computes only those.
     """
@@ -508,7 +508,7 @@ def knockout_prompt_scores(
     scores of key ``i``, :class:`raycurate.models.loading.key_log_scales`); ``s_i = 0`` knocks token ``i`` out of
     attention, so ``-score_i`` is the first-order change of the weighted utility sum when token ``i`` is knocked
     out, the derivative counterpart of the exact leave-one-out ``Delta_p^exact(i | S_r) = sum_{j in S_r}
-    [a_j(P) - a_j(T_i(P))]`` (:mod:`raycurate.algorithms.fidelity`).  Large positive = the prompt token supports
+    [a_j(P) - a_j(T_i(P))]`` (:mod:`raycurate.algorithms.bridge.fidelity`).  Large positive = the prompt token supports
     useful response tokens.  ``sum_t w_t a_t = v . grad (sum_t w_t l_t)`` is formed by one backward pass with
     ``create_graph`` (gradients w.r.t. the direction's parameters only), and its derivative w.r.t. ``log s`` by ONE
     more reverse pass (a Hessian-vector-product pattern), so every prompt token of every example is scored at once

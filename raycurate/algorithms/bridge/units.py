@@ -1,6 +1,6 @@
 """Structural units of a response text: alignment, segmentation, merge/split (paper App. G.1, D.2, D.3; docs/bridge.md).
 
-The first half of the BRIDGE closure projection (:mod:`raycurate.algorithms.closure` scores and selects the
+The first half of the BRIDGE closure projection (:mod:`raycurate.algorithms.bridge.closure` scores and selects the
 units).  A unit is a contiguous run of the example's *eligible* response positions ``0 .. r-1`` (the response side
 of the token row without the fixed EOS; template markers such as ``<|end|>`` are eligible and carry ``(-1, -1)``
 offsets).  Pure Python/numpy: no torch, no Ray, no I/O.
@@ -44,8 +44,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from raycurate.algorithms import kernels
-from raycurate.algorithms.alignment import (
+from raycurate.algorithms.bridge import kernels
+from raycurate.algorithms.bridge.alignment import (
     AlignmentCheck,
     Spans,
     alignment_check,

@@ -14,9 +14,10 @@ Pipeline of one example::
 Positions are the example's *eligible* response positions ``0 .. r-1`` (the response side of the token row
 without the fixed EOS; template markers such as ``<|end|>`` are eligible and carry ``(-1, -1)`` offsets).
 
-Units, their alignment checks and the rules that cut them live in :mod:`raycurate.algorithms.units`; the generic
-solvers (:func:`~raycurate.algorithms.knapsack.knapsack_dp`, :func:`~raycurate.algorithms.knapsack.greedy_density`)
-in :mod:`raycurate.algorithms.selection`.  This module scores units and projects the mask onto them.
+Units, their alignment checks and the rules that cut them live in :mod:`raycurate.algorithms.bridge.units`; the generic
+solvers (:func:`~raycurate.algorithms.bridge.knapsack.knapsack_dp`,
+:func:`~raycurate.algorithms.bridge.knapsack.greedy_density`) in :mod:`raycurate.algorithms.bridge.knapsack`.  This
+module scores units and projects the mask onto them.
 
 Decisions (the paper leaves these open; App. G.1 gives the rules, not the constants):
 
@@ -60,10 +61,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from raycurate.algorithms import kernels
-from raycurate.algorithms.knapsack import greedy_density, knapsack_dp
-from raycurate.algorithms.selection import top_b
-from raycurate.algorithms.units import MAX_UNIT_TOKENS, MIN_UNIT_TOKENS, Unit, units_and_core
+from raycurate.algorithms.bridge import kernels
+from raycurate.algorithms.bridge.knapsack import greedy_density, knapsack_dp
+from raycurate.algorithms.bridge.selection import top_b
+from raycurate.algorithms.bridge.units import MAX_UNIT_TOKENS, MIN_UNIT_TOKENS, Unit, units_and_core
 
 DP_CAPACITY_LIMIT = 2048
 ALPHA = 0.5

@@ -37,7 +37,7 @@ def compact_example(
     """Physically compact one token row: drop unkept prompt tokens, keep the whole response, mask the loss.
 
     The caller's ``prompt_keep`` decides everything on the prompt side, so it must already hold the fixed positions
-    (BOS, template tokens): :func:`raycurate.algorithms.selection.to_row_masks` produces masks of that form.  The
+    (BOS, template tokens): :func:`raycurate.algorithms.bridge.selection.to_row_masks` produces masks of that form.  The
     last position (EOS) is always supervised, whatever ``response_loss`` says there (it is a fixed position, App.
     G.1); every other response position is supervised exactly when ``response_loss`` is True there.
 

@@ -207,7 +207,7 @@ def _response_half(scores, gamma, bias, s_p, b_r, s_r, s_r_float, new, buf):
 
 
 def alternate(beta: np.ndarray, gamma: np.ndarray, bias: np.ndarray, b_p: int, b_r: int, rounds: int):
-    """The alternating schedule of :func:`raycurate.algorithms.selection.select` (inputs already checked finite).
+    """The alternating schedule of :func:`raycurate.algorithms.bridge.selection.select` (inputs already checked finite).
 
     Args:
         beta: (p, r) float64 interactions.
@@ -276,7 +276,7 @@ def _knapsack(weights, gains, capacity):
 
 
 def knapsack_chosen(weights: np.ndarray, gains: np.ndarray, capacity: int) -> list[int]:
-    """Indices chosen by :func:`raycurate.algorithms.knapsack.knapsack_dp`'s DP over the perturbed ``gains``.
+    """Indices chosen by :func:`raycurate.algorithms.bridge.knapsack.knapsack_dp`'s DP over the perturbed ``gains``.
 
     Args:
         weights: (M,) int64 positive sizes.
@@ -295,7 +295,7 @@ def knapsack_chosen(weights: np.ndarray, gains: np.ndarray, capacity: int) -> li
 
 @_jit
 def _aligned_ok(spans, nonws):
-    """:func:`raycurate.algorithms.alignment.verify_alignment`'s verdict (the numpy code words the reason)."""
+    """:func:`raycurate.algorithms.bridge.alignment.verify_alignment`'s verdict (the numpy code words the reason)."""
     n = nonws.shape[0]
     covered = np.zeros(n, dtype=np.bool_)
     prev_start, prev_end, seen = 0, 0, False

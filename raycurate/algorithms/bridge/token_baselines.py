@@ -1,11 +1,11 @@
 """Token-selection baselines on BRIDGE's machinery and budgets (paper §5.1, App. B.2, D.1; docs/bridge.md).
 
 Every baseline returns :class:`TokenMasks`, the same form as BRIDGE's row masks
-(:func:`raycurate.algorithms.selection.to_row_masks`): ``prompt_keep`` (prompt_len,) bool and ``loss_mask`` (n,)
-bool.  Fixed positions are those of :func:`raycurate.algorithms.selection.eligible_positions` (BOS and flagged
+(:func:`raycurate.algorithms.bridge.selection.to_row_masks`): ``prompt_keep`` (prompt_len,) bool and ``loss_mask`` (n,)
+bool.  Fixed positions are those of :func:`raycurate.algorithms.bridge.selection.eligible_positions` (BOS and flagged
 template tokens always kept, EOS and flagged response markers always supervised); budgets are
-:func:`raycurate.algorithms.selection.budgets` over the eligible positions and Top-b is
-:func:`raycurate.algorithms.selection.top_b` (ties by position), so a baseline and BRIDGE at the same ratios keep
+:func:`raycurate.algorithms.bridge.selection.budgets` over the eligible positions and Top-b is
+:func:`raycurate.algorithms.bridge.selection.top_b` (ties by position), so a baseline and BRIDGE at the same ratios keep
 exactly the same number of tokens per example.
 
 Baselines:
@@ -41,7 +41,7 @@ from typing import Literal
 
 import numpy as np
 
-from raycurate.algorithms.selection import budgets, eligible_positions, to_row_masks, top_b
+from raycurate.algorithms.bridge.selection import budgets, eligible_positions, to_row_masks, top_b
 
 Side = Literal["prompt", "response"]
 BudgetMode = Literal["ratio", "matched"]
@@ -537,7 +537,7 @@ def sequential_composition(
     (the context used in final training) by ``rescore_response`` and the response selector takes their Top-b.
     ``S_p`` is not revisited (a single dependency ``S_p -> S_r``; BRIDGE alternates instead).  This function only
     orchestrates: the caller's callable runs the models, e.g. builds the row with
-    :func:`raycurate.algorithms.compaction.compact_example` and returns
+    :func:`raycurate.algorithms.bridge.compaction.compact_example` and returns
     ``response_scores(variant, loss_base, loss_ref)`` on it.
 
     Args:
