@@ -1,18 +1,10 @@
 """Compiled (numba) kernels for BRIDGE's per-example selection and closure, with the numpy code as the fallback.
 
-The per-example work of ``bridge_select`` (alternating selection, closure projection) runs a few dozen numpy calls
-on arrays of ~300 elements, where the ~1-5 us overhead per call dominates the arithmetic.  The kernels
-here fuse those calls into one compiled loop each.  They reproduce the numpy code bit for bit:
-
-* sums use numpy's own pairwise summation (:func:`_np_sum`: 8 accumulators up to 128 elements, halves above), so
-  ``U_sur`` and the other diagnostics are the same floats;
-* the matrix-vector products stay numpy/BLAS calls (a loop would sum in another order), the kernels do what lies
-  between them;
-* ``Top-b`` with ties by position is one well-defined set, found here by a selection instead of a stable sort.
-
-``tests/test_kernels.py`` checks both paths give identical outputs on generated cases;
-``benchmarks/selection_reference.py --paths`` on the whole reference set.  Set ``RAYCURATE_KERNELS=0`` (or use
-:func:`enabled`) to run the numpy code; without numba the numpy code runs and nothing changes.
+Each kernel fuses the few dozen small numpy calls of one step of :mod:`.selection`, :mod:`.units` or
+:mod:`.closure` (arrays of ~300 elements, where per-call overhead dominates) into one loop, and reproduces the numpy
+code bit for bit: numpy's pairwise summation (:func:`_np_sum`), matrix-vector products left to BLAS, Top-b with
+ties by position.  ``tests/test_kernels.py`` and ``benchmarks/selection_reference.py --paths`` check both paths
+agree.  ``RAYCURATE_KERNELS=0`` (or :func:`enabled`) runs the numpy code; without numba it runs anyway.
 """
 
 from __future__ import annotations
