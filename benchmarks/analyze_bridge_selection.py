@@ -104,8 +104,8 @@ def stage_dir(run: Path, stage: str) -> Path:
 
 def random_response_masks(rows: list[dict], rho_p: float, rho_r: float, seed: int) -> list[np.ndarray]:
     """(n,) loss masks of the random baseline, drawn as ``baseline_random_masks`` draws them."""
-    from raycurate.algorithms.bridge import fixed_masks
-    from raycurate.algorithms.token_baselines import example_rng, random_masks
+    from raycurate.algorithms.bridge.rows import fixed_masks
+    from raycurate.algorithms.bridge.token_baselines import example_rng, random_masks
 
     out = []
     for r in rows:
@@ -294,7 +294,7 @@ def closure_table(rows: list[dict], score_rows: dict[str, object], settings: obj
     """Table 5 rows: re-selection of the stored scores at other response budgets, with and without closure."""
     import dataclasses
 
-    from raycurate.algorithms.bridge import full_utilities, select_example
+    from raycurate.algorithms.bridge.rows import full_utilities, select_example
 
     math_rows = [r for r in rows if r["domain"] == "math" and r["id"] in score_rows][:limit]
     out = []
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import yaml
 
-    from raycurate.algorithms.bridge import SelectionSettings
+    from raycurate.algorithms.bridge.rows import SelectionSettings
 
     config = yaml.safe_load((run / "config.yaml").read_text()) or {}
     bridge_cfg = config.get("bridge") or {}

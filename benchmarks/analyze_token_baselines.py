@@ -76,8 +76,7 @@ def train_reference(model_dir: Path, rows: list[dict], steps: int, pad_id: int, 
     """A reference model trained here: ``steps`` AdamW steps of SFT on ``rows`` (cycled, fixed order), eval mode."""
     import torch
 
-    from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import mean_supervised_loss, model_token_losses
+    from raycurate.algorithms.losses import mean_supervised_loss, model_token_losses, pad_rows
     from raycurate.models.loading import load_model
 
     torch.manual_seed(0)
@@ -118,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from raycurate.algorithms import token_baselines as tb
-    from raycurate.algorithms.bridge import fixed_masks
+    from raycurate.algorithms.bridge import token_baselines as tb
+    from raycurate.algorithms.bridge.rows import fixed_masks
     from raycurate.models.loading import load_model, load_tokenizer
     from raycurate.stages.bridge_compact import row_token_losses
 

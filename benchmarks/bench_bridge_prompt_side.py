@@ -73,8 +73,7 @@ def token_splits(tokenizer, corpus_seed: int, n_rows: int, system_prompt: str = 
 
 
 def warmup_sft(model, rows: list[dict], pad_id: int, seed: int, lr: float = 5e-4, batch: int = 32) -> float:
-    from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import example_losses
+    from raycurate.algorithms.losses import example_losses, pad_rows
 
     order = np.random.default_rng(seed).permutation(len(rows))
     steps = math.ceil(len(rows) / batch)
@@ -97,8 +96,8 @@ def warmup_sft(model, rows: list[dict], pad_id: int, seed: int, lr: float = 5e-4
 
 
 def direction_for(model, theta_old: dict, rows: list[dict], pad_id: int, last_layers: int = 4) -> dict:
-    from raycurate.algorithms import token_utility as tu
-    from raycurate.algorithms.bridge import pad_rows
+    from raycurate.algorithms.bridge import token_utility as tu
+    from raycurate.algorithms.losses import pad_rows
 
     params = tu.scoring_parameters(model, last_layers)
     batches = [pad_rows(rows[i:i + 16], pad_id) for i in range(0, len(rows), 16)]
@@ -107,8 +106,8 @@ def direction_for(model, theta_old: dict, rows: list[dict], pad_id: int, last_la
 
 
 def drop_shares(model, direction, rows: list[dict], pad_id: int, proxy: str) -> dict:
-    from raycurate.algorithms.bridge import SelectionSettings, prompt_relevance_drops, score_and_select_rows
-    from raycurate.algorithms.routing import default_routing_layer
+    from raycurate.algorithms.bridge.routing import default_routing_layer
+    from raycurate.algorithms.bridge.rows import SelectionSettings, prompt_relevance_drops, score_and_select_rows
 
     settings = SelectionSettings(rho_p=0.5, rho_r=0.75, prompt_proxy=proxy)
     results = score_and_select_rows(model, direction, default_routing_layer(model), rows, settings, pad_id=pad_id,
@@ -129,7 +128,7 @@ def drop_shares(model, direction, rows: list[dict], pad_id: int, proxy: str) -> 
 def knockout_reference(model, ids: torch.Tensor, prompt_len: int, prompt_idx: np.ndarray, weights: np.ndarray,
                        direction) -> np.ndarray:
     """Exact knock-out: sum_j w_j [a_j(s = 1) - a_j(s_i = 0)] per eligible prompt token (positions kept)."""
-    from raycurate.algorithms.token_utility import token_utilities
+    from raycurate.algorithms.bridge.token_utility import token_utilities
     from raycurate.models.loading import key_log_scales
 
     n = ids.shape[0]
@@ -151,16 +150,16 @@ def knockout_reference(model, ids: torch.Tensor, prompt_len: int, prompt_idx: np
 
 
 def fidelity(model, direction, rows: list[dict]) -> dict:
-    from raycurate.algorithms.bridge import fixed_masks
-    from raycurate.algorithms.fidelity import (
+    from raycurate.algorithms.bridge.fidelity import (
         KNOCKOUT,
         example_fidelity,
         fidelity_table,
         mean_ranking_shift,
         ranking_shift,
     )
+    from raycurate.algorithms.bridge.rows import fixed_masks
+    from raycurate.algorithms.bridge.selection import eligible_positions
     from raycurate.algorithms.ranking import spearman
-    from raycurate.algorithms.selection import eligible_positions
 
     examples, extra, curves, top_curves = [], [], [], []
     start = time.perf_counter()
@@ -195,7 +194,7 @@ def fidelity(model, direction, rows: list[dict]) -> dict:
 def loss_removal_scores(model, ids: torch.Tensor, prompt_len: int, prompt_idx: np.ndarray) -> np.ndarray:
     """Rise of the summed response loss when prompt token i is physically removed (no direction involved): does
     the model read the relevant facts at all?"""
-    from raycurate.algorithms.fidelity import leave_one_out_rows
+    from raycurate.algorithms.bridge.fidelity import leave_one_out_rows
     from raycurate.algorithms.losses import token_losses
 
     def response_loss(rows: torch.Tensor, start: int) -> torch.Tensor:
@@ -214,9 +213,9 @@ def loss_removal_scores(model, ids: torch.Tensor, prompt_len: int, prompt_idx: n
 def oracle_drops(model, direction, rows: list[dict]) -> dict:
     """Drop shares at rho_p 0.5 when the prompt side is ranked by the exact leave-one-out reference, the exact
     knock-out, the knock-out derivative and routing, all conditioned on the same state (is the target reachable?)."""
-    from raycurate.algorithms.bridge import fixed_masks, prompt_relevance_drops
-    from raycurate.algorithms.fidelity import KNOCKOUT, example_fidelity
-    from raycurate.algorithms.selection import eligible_positions, top_b
+    from raycurate.algorithms.bridge.fidelity import KNOCKOUT, example_fidelity
+    from raycurate.algorithms.bridge.rows import fixed_masks, prompt_relevance_drops
+    from raycurate.algorithms.bridge.selection import eligible_positions, top_b
 
     keys = ("relevant_total", "relevant_dropped", "distractor_total", "distractor_dropped")
     names = ("exact_loo", "exact_knockout", KNOCKOUT, "routing", "abs_exact_loo", "abs_knockout_grad",

@@ -48,7 +48,7 @@ def prepare(work: Path, rows: int) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from raycurate.algorithms.token_utility import scoring_parameters
+    from raycurate.algorithms.bridge.token_utility import scoring_parameters
     from raycurate.data.corpus import generate_corpus
     from raycurate.data.tokenize import token_table, tokenize_batch
     from raycurate.models.loading import embedded_model_dir, load_model, load_tokenizer

@@ -35,7 +35,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from raycurate.algorithms.selection import top_b
+from raycurate.algorithms.bridge.selection import top_b
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PRECISIONS = ("fp32", "autocast", "bf16")
@@ -94,7 +94,7 @@ def timed_arms(model_name: str, ids: torch.Tensor, repeats: int) -> dict[tuple[s
 
 def corpus_batch(model_name: str, rows: int, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(scored batch, validation batch) of tokenized corpus rows, right-padded."""
-    from raycurate.algorithms.bridge import pad_rows
+    from raycurate.algorithms.losses import pad_rows
     from raycurate.data.corpus import generate_corpus
     from raycurate.data.tokenize import tokenize_record
     from raycurate.models.loading import load_tokenizer
@@ -110,7 +110,7 @@ def corpus_batch(model_name: str, rows: int, seed: int) -> tuple[dict[str, torch
 def utilities(model_name: str, precision: str, scored: dict, validation: dict, last_layers: int,
               threads: int) -> tuple[np.ndarray, float]:
     """(B, T) utilities along the validation direction (lam = 0) and the seconds of the utility pass."""
-    from raycurate.algorithms.token_utility import (
+    from raycurate.algorithms.bridge.token_utility import (
         scoring_direction,
         scoring_parameters,
         token_utilities,

@@ -4,7 +4,7 @@ Setup: the attention geometry of Qwen2.5-7B (28 layers, hidden 3584, 28 query he
 784 heads, each a vector of 3 * 128 * 3584 = 1,376,256 weights).  No model is built: per layer, seeded random base
 q/k/v weights (std 0.02) and a proxy = base + small Gaussian noise are generated, then turned into (H, D) head
 vectors (:func:`raycurate.models.heads.layer_head_vectors`) and scored
-(:func:`raycurate.algorithms.head_scoring.score_heads`); only one layer is in memory at a time.  "seconds" is the
+(:func:`raycurate.algorithms.p2d.head_scoring.score_heads`); only one layer is in memory at a time.  "seconds" is the
 vector assembly + scoring time summed over layers (the weight generation stands in for reading a checkpoint and is
 reported separately).  The reference is a per-head Python loop -- slice each head's rows by hand, softmax, then
 ``scipy.stats.wasserstein_distance`` on the index support -- on the first ``--reference-layers`` layers; the ratio is
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from transformers import Qwen2Config
 
-from raycurate.algorithms.head_scoring import score_heads
+from raycurate.algorithms.p2d.head_scoring import score_heads
 from raycurate.models.heads import layer_head_vectors, param_name
 
 

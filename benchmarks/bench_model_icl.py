@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raycurate.algorithms.icl_probe import answer_token_logprobs
+from raycurate.algorithms.p2d.icl_probe import answer_token_logprobs
 from raycurate.config.p2d import P2DConfig
 from raycurate.data.chat_layout import ChatLayout, chat_layout, instruction_ids, split_row
 from raycurate.data.corpus import generate_corpus

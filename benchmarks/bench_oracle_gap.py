@@ -22,8 +22,7 @@ import re
 import numpy as np
 import torch
 
-from raycurate.algorithms.bridge import pad_rows
-from raycurate.algorithms.losses import example_losses
+from raycurate.algorithms.losses import example_losses, pad_rows
 from raycurate.algorithms.stats import paired_bootstrap_ci
 from raycurate.data.answers import answers_match, extract_final_answer
 from raycurate.data.corpus import generate_corpus, generate_heldout

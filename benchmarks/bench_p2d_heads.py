@@ -43,7 +43,7 @@ def main() -> None:
     import torch
     from scipy.stats import spearmanr
 
-    from raycurate.algorithms.head_scoring import head_overlap
+    from raycurate.algorithms.p2d.head_scoring import head_overlap
     from raycurate.cli.main import _load_job, demo_job_path
     from raycurate.rundir import RunDir
     from raycurate.stages.base import output_path

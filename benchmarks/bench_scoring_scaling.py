@@ -29,7 +29,7 @@ def prepare(work: Path, rows: int) -> tuple[str, str, str]:
     import torch
     from safetensors.torch import save_file
 
-    from raycurate.algorithms.token_utility import scoring_parameters
+    from raycurate.algorithms.bridge.token_utility import scoring_parameters
     from raycurate.data.corpus import generate_corpus, generate_pretraining_texts
     from raycurate.data.tokenize import token_table, tokenize_batch
     from raycurate.models.loading import load_model, load_tokenizer
@@ -57,7 +57,7 @@ def run_pool(actors: int, model_dir: str, tokens: str, direction: str, shard_row
     """The ``bridge_score`` stage's path: :func:`sharded_map` of ``BridgeScoreUDF`` over ``actors`` actors, one torch
     thread each, into a fresh scratch folder (nothing resumed); actor start-up included unless ``warm`` (a
     ``WarmPool``) maps it."""
-    from raycurate.algorithms.bridge import SelectionSettings
+    from raycurate.algorithms.bridge.rows import SelectionSettings
     from raycurate.config.pool import ActorPoolConfig
     from raycurate.stages.bridge import BridgeScoreUDF
     from raycurate.stages.ray_data import resolve_pool

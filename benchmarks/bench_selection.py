@@ -8,12 +8,12 @@ core.  Throughput counts ``p + r`` tokens per example and divides by the process
 
     python benchmarks/bench_selection.py [--examples 3000] [--rounds 4] [--seed 0] [--compare 3]
 
-Since issue #29 the selection and closure run compiled kernels (``raycurate.algorithms.kernels``, numba) where
+Since issue #29 the selection and closure run compiled kernels (``raycurate.algorithms.bridge.kernels``, numba) where
 numba is installed; ``--compare N`` times the numpy code and the kernels interleaved, N runs each, in this one
 process, and prints each run, the medians, their ratio and the load average (a shared machine moves the absolute
 numbers, the ratio much less).  The timed numbers are the kernels' (the numpy code's with ``RAYCURATE_KERNELS=0``).
 
-Closure comes from ``raycurate.algorithms.closure.project_response`` (alignment check + structural units + the
+Closure comes from ``raycurate.algorithms.bridge.closure.project_response`` (alignment check + structural units + the
 projection, i.e. everything the stage runs per example; offsets go in as the (r, 2) array the stage passes since
 2026-12-04, earlier rows passed a list of pairs, ~20 us more per example); when that module is not importable only
 the selection is timed and the output says ``closure=0``.  The last line is ``tokens_per_s_per_core=<value>``.
@@ -33,7 +33,7 @@ from dataclasses import dataclass  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from raycurate.algorithms.selection import budgets, select  # noqa: E402
+from raycurate.algorithms.bridge.selection import budgets, select  # noqa: E402
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
@@ -74,7 +74,7 @@ def make_instance(rng: np.random.Generator) -> Instance:
 def load_closure():
     """``project_response`` from the closure module, or None when it is not importable yet."""
     try:
-        from raycurate.algorithms.closure import project_response
+        from raycurate.algorithms.bridge.closure import project_response
     except ImportError as err:
         print(f"closure not importable ({err}); timing selection only")
         return None
@@ -143,7 +143,7 @@ def main() -> None:
 
 def compare(pool: list[Instance], args: argparse.Namespace, project_response) -> None:
     """Numpy code and compiled kernels, interleaved in this process: tokens/s per core of selection + closure."""
-    from raycurate.algorithms import kernels
+    from raycurate.algorithms.bridge import kernels
 
     runs: dict[bool, list[float]] = {False: [], True: []}
     load0 = os.getloadavg()

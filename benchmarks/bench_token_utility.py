@@ -8,7 +8,7 @@ lam = 0.2.  Timings are the minimum over ``--repeats`` interleaved runs (the mac
 are flushed to zero for every timed computation (``torch.set_flush_denormal``, the recommended CPU setting for
 scoring actors; ``--keep-denormals`` turns it off): without it the attention and log-softmax of the forward-mode
 pass hit slow denormal arithmetic on CPU.  The utilities run the hand-written layer rules
-(:mod:`raycurate.algorithms.dual_layers`); an informational row times the same utilities through torch's generic
+(:mod:`raycurate.algorithms.bridge.dual_layers`); an informational row times the same utilities through torch's generic
 forward-mode AD (``hand_written=False``), and others with gradients restricted to the last 1 and 2 layers.
 ``--layers N`` (default 16) adds the paper's shape, L = ``--last-layers`` (4) scoring layers of a deeper model:
 the same tiny-llama geometry with N layers (seeded init), timed forward vs utilities on
@@ -91,7 +91,7 @@ def build_deep(tokenizer, layers: int, seed: int, geometry: str = "tiny-llama", 
 
 
 def direction_for(model, val_batch: dict[str, torch.Tensor], seed: int, last_layers: int = 4) -> dict:
-    from raycurate.algorithms import token_utility as tu
+    from raycurate.algorithms.bridge import token_utility as tu
 
     params = tu.scoring_parameters(model, last_layers=last_layers)
     g_target = tu.validation_gradient(model, [val_batch], params)
@@ -111,7 +111,7 @@ def best_of(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    from raycurate.algorithms import token_utility as tu
+    from raycurate.algorithms.bridge import token_utility as tu
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=2)
@@ -150,7 +150,11 @@ def main() -> None:
     prompt_mask[:, 0] = False  # BOS-like first token is fixed
 
     def routing() -> None:  # the paper's prompt proxy input: attention of ONE layer, then routing weights
-        from raycurate.algorithms.routing import attention_for_layer, default_routing_layer, routing_weights_batch
+        from raycurate.algorithms.bridge.routing import (
+            attention_for_layer,
+            default_routing_layer,
+            routing_weights_batch,
+        )
 
         attn = attention_for_layer(model, batch["input_ids"], batch["attention_mask"], default_routing_layer(model))
         routing_weights_batch(attn, prompt_lens, batch["attention_mask"])

@@ -5,11 +5,11 @@ from a config with seeded random init (no download, no network).  Four parts, ea
 as the part's ``error`` string and the next part runs) and each with a time budget (its repeat loop stops once the
 budget is spent, after at least one timed run):
 
-1. ``token_utility``: BRIDGE JVP token utilities (:func:`raycurate.algorithms.token_utility.token_utilities`) on a
-   Llama-3.2-3B-shaped model in bf16 (hidden 3072, 28 layers, 24/8 heads, intermediate 8192, vocab 128256) with
+1. ``token_utility``: BRIDGE JVP token utilities (:func:`raycurate.algorithms.bridge.token_utility.token_utilities`)
+   on a Llama-3.2-3B-shaped model in bf16 (hidden 3072, 28 layers, 24/8 heads, intermediate 8192, vocab 128256) with
    L = 4 of 28 scoring layers and a random unit direction of the scoring parameters' shapes, against a plain
    no-grad forward of the same right-padded batch (mirrors ``benchmarks/bench_token_utility.py``).
-2. ``head_scoring``: P2D exact-W1 head scoring (:func:`raycurate.algorithms.head_scoring.score_heads`) at the
+2. ``head_scoring``: P2D exact-W1 head scoring (:func:`raycurate.algorithms.p2d.head_scoring.score_heads`) at the
    Llama-2-7B attention shape (hidden 4096, 32 layers, 32 heads, 32 KV heads, head_dim 128: 1,024 heads of
    3 * 128 * 4096 weights).  No model is built: per layer, seeded random base q/k/v weights and a proxy = base +
    noise are generated on the device (not timed), then vector assembly + scoring are timed
@@ -198,7 +198,7 @@ class ModelCache:
 
 def part_token_utility(shapes: Shapes, models: ModelCache, deadline: float) -> dict[str, Any]:
     """JVP token utilities vs a plain forward (L = ``last_layers`` of ``layers`` scoring layers)."""
-    from raycurate.algorithms import token_utility as tu
+    from raycurate.algorithms.bridge import token_utility as tu
 
     device = models.device
     model = models.get()
@@ -240,7 +240,7 @@ def part_head_scoring(shapes: Shapes, device: torch.device, deadline: float, see
     """Exact-W1 scores of every head of a 7B-shaped attention stack, one layer at a time."""
     from transformers import LlamaConfig
 
-    from raycurate.algorithms.head_scoring import score_heads
+    from raycurate.algorithms.p2d.head_scoring import score_heads
     from raycurate.models.heads import layer_head_vectors, param_name
 
     config = LlamaConfig(hidden_size=shapes.w1_hidden, num_hidden_layers=shapes.w1_layers,

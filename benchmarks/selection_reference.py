@@ -3,16 +3,16 @@
 Every case runs a public entry point on generated inputs and hashes every output field bit for bit (masks, float64
 scores, ``u_sur``, rounds, units, solver, diagnostics):
 
-* ``select``: :func:`~raycurate.algorithms.selection.select` (all three schedules, T = 1..6) and
-  :func:`~raycurate.algorithms.selection.knockout_update` on attention-shaped, Gaussian, tie-heavy (quantized,
+* ``select``: :func:`~raycurate.algorithms.bridge.selection.select` (all three schedules, T = 1..6) and
+  :func:`~raycurate.algorithms.bridge.selection.knockout_update` on attention-shaped, Gaussian, tie-heavy (quantized,
   all-zero, duplicated columns) and tiny (p or r in 0..3) inputs, budgets from rho in {0, 0.3, 0.75, 1} or drawn;
-* ``closure``: :func:`~raycurate.algorithms.closure.project_response` on bench math responses and corpus
+* ``closure``: :func:`~raycurate.algorithms.bridge.closure.project_response` on bench math responses and corpus
   responses of every domain (``raycurate.data.corpus``), with tokenizer, word-level and character-level offsets,
   template tokens ``(-1, -1)``, a few misaligned offsets (fallback), tie-heavy scores, token masks from Top-b or
   drawn, and projection options (tau, alpha, greedy above a small DP limit, no completion, unit limits);
-* ``bridge``: :func:`~raycurate.algorithms.bridge.select_example` on tokenized corpus rows with drawn routing and
+* ``bridge``: :func:`~raycurate.algorithms.bridge.rows.select_example` on tokenized corpus rows with drawn routing and
   utilities (closure on/off, ``first_tokens``, ``fold_fixed_response``, schedules, knock-out prompt scores) and
-  :func:`~raycurate.algorithms.bridge.corpus_response_masks` (``bridge.budget = corpus``) over groups of them.
+  :func:`~raycurate.algorithms.bridge.rows.corpus_response_masks` (``bridge.budget = corpus``) over groups of them.
 
 Usage::
 
@@ -20,7 +20,8 @@ Usage::
     python benchmarks/selection_reference.py --check REF.json     # same digests? (exit 1 and the first diffs if not)
     python benchmarks/selection_reference.py --paths              # compiled kernels vs the numpy path, in-process
 
-``--paths`` needs :mod:`raycurate.algorithms.kernels` (numba); the last line is ``reference_cases=N mismatches=M``.
+``--paths`` needs :mod:`raycurate.algorithms.bridge.kernels` (numba); the last
+line is ``reference_cases=N mismatches=M``.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_selection import make_instance  # noqa: E402
 
-from raycurate.algorithms.bridge import SelectionSettings, corpus_response_masks, select_example  # noqa: E402
-from raycurate.algorithms.closure import project_response  # noqa: E402
-from raycurate.algorithms.selection import budgets, knockout_update, select, top_b  # noqa: E402
+from raycurate.algorithms.bridge.closure import project_response  # noqa: E402
+from raycurate.algorithms.bridge.rows import SelectionSettings, corpus_response_masks, select_example  # noqa: E402
+from raycurate.algorithms.bridge.selection import budgets, knockout_update, select, top_b  # noqa: E402
 
 Case = Callable[[], dict[str, Any]]
 _WORDS = re.compile(r"[ \t]*(?:\w+|[^\w\s])|\n")
@@ -278,8 +279,8 @@ def bridge_cases(seed: int, rows: list[dict], per_row: int, group: int) -> Itera
 
 
 def _eligible_r(row: dict) -> int:
-    from raycurate.algorithms.bridge import fixed_masks
-    from raycurate.algorithms.selection import eligible_positions
+    from raycurate.algorithms.bridge.rows import fixed_masks
+    from raycurate.algorithms.bridge.selection import eligible_positions
 
     n, p = len(row["input_ids"]), int(row["prompt_len"])
     fp, fr = fixed_masks(p, n, row["prompt_offsets"], row["response_offsets"])
@@ -288,7 +289,7 @@ def _eligible_r(row: dict) -> int:
 
 def all_cases(seed: int = 0) -> list[tuple[str, Case]]:
     """The reference set: (name, case) pairs; each case returns a dict of output fields."""
-    from raycurate.algorithms.alignment import spans_from_flat
+    from raycurate.algorithms.bridge.alignment import spans_from_flat
 
     cases: list[tuple[str, Case]] = [(f"select/{k}", c) for k, c in enumerate(select_cases(seed, 5000))]
     rows, tokenizer = _corpus(seed, 400)
@@ -341,7 +342,7 @@ def main() -> None:
     t0 = time.perf_counter()
     cases = all_cases(args.seed)
     if args.paths:
-        from raycurate.algorithms import kernels
+        from raycurate.algorithms.bridge import kernels
 
         with kernels.enabled(False):
             ref = run_cases(cases)

@@ -1,36 +1,13 @@
-"""The Python API: a few calls for notebooks and Ray jobs, on top of the same stages the pipelines run.
+"""The Python API: a few calls for notebooks and Ray jobs, on top of the same stages the pipelines run::
 
-::
-
-    import raycurate
-
-    data = raycurate.ingest(rows)                           # validate + tokenize
-    masks = raycurate.bridge_select(data, rho_p=0.75, rho_r=0.5)  # BRIDGE token masks at one budget
-    model = raycurate.train(masks)                          # compact SFT on Ray Train
-    scores = raycurate.evaluate(model, heldout)             # held-out exact match, gold loss
+    data = raycurate.ingest(rows)                                       # validate + tokenize
+    masks = raycurate.bridge_select(data, rho_p=0.75, rho_r=0.5)        # BRIDGE token masks at one budget
+    model = raycurate.train(masks)                                      # compact SFT on Ray Train
+    scores = raycurate.evaluate(model, heldout)                         # held-out exact match, gold loss
     curated = raycurate.curate(data, steps=["dedup", "p2d", "bridge"])  # composed curation + one SFT
 
-Every call works in a *workspace*: a run directory (``workdir=``; by default the workspace of the result it is
-given, else a fresh temporary folder in ``$TMPDIR``, deleted when the last result made in it is garbage-collected or
-at interpreter exit -- pass ``workdir=`` to keep one). One call at a time per workspace: a second thread or process
-gets a "run directory ... is in use" error. In it the call runs the existing stages exactly as the pipelines do, so
-a stage whose config hash is unchanged and whose outputs exist is skipped on a re-run (``run={"force": [...]}``
-re-runs one), and ``raycurate inspect`` / ``raycurate report`` work on it. Each call returns a :class:`Result`
-naming the stage output it produced; ``.table`` (pyarrow) and ``.dataset`` (``ray.data.Dataset``) read it, and a
-result is the ``data`` argument of the next call (no re-ingest: it continues in the same workspace).
-
-Configuration: the keyword arguments of a call are the common keys; ``config={"train.lr": 1e-4}`` (dotted keys,
-or nested section mappings) and section keywords such as ``train={"lr": 1e-4}`` or ``bridge={"last_layers": 2}``
-reach every key of :class:`raycurate.config.schema.JobConfig` (``raycurate run --help-config`` lists them; the
-``data`` section goes through ``config=`` or :func:`ingest`'s keywords, since ``data`` is the input).  They are
-validated like a job file: a bad key or value raises :class:`raycurate.config.loader.ConfigError` (a
-:class:`raycurate.errors.UserError`) naming it, before anything runs.
-
-This module sits at the pipelines level of the layering (it calls :mod:`raycurate.pipelines` and
-:mod:`raycurate.stages`, never ``ray`` directly); ``import raycurate`` imports it on first attribute use only.
-
-Why one module: it is the public surface, read top to bottom by users (``help(raycurate)``); each call is a few
-lines over shared workspace helpers, and splitting the calls across files would scatter one page of documentation.
+Each call runs in a resumable workspace (``workdir=``) and returns a :class:`Result` the next call takes.  Why one
+module, workspaces, keywords and ``config=``: docs/design.md, "Python API"; examples: README.md, "Python API".
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Run directory layout, atomic writes and the manifest.
 
-``runs/<name>/`` holds ``config.yaml`` (the resolved config), ``manifest.json`` and one folder per stage.  The
-manifest records, per stage, ``{status, seconds, config_hash, outputs, metrics}`` and, for the run,
-``rows: {input, accepted, rejected}`` with ``input == accepted + rejected``.  Every file is written to a temporary
-name in the same folder and renamed into place, so a crash never leaves a half-written output behind.
-
-When ``run.runs_dir`` is a storage URI (``s3://bucket/prefix``, ``gs://...``, ``file:///...``; see
-:mod:`raycurate.storage`) the run works in a local mirror folder and persists to the URI: a stage's folder is
-uploaded when it is recorded ``done`` and the manifest after it (the manifest is the commit point), and a run
-opened on a fresh machine downloads the manifest and every finished stage first, so it skips them.  ``_scratch/``
-(mid-stage training checkpoints, which DeepSpeed loads with pickle on resume) is never uploaded and never
-downloaded: no stage name may start with ``_`` or ``.`` or be a run-root file (:data:`RESERVED`).
-
-One writer at a time: :func:`open_run_dir` takes an exclusive ``flock`` on ``<root>/.lock`` (the local mirror's,
-for a remote run) and refuses a second process (or a second thread) with a :class:`RunDirError` naming the
-holder's pid and host.  The lock dies with its process, so a killed run never blocks the next one, and the next
-opener removes the temp folders (``.<stage>.*.tmp``) a killed run left behind.  Stage names are allow-listed and
-every path a manifest names must stay under the run root, so a tampered (remote) manifest cannot reach outside
-the run.
+``runs/<name>/`` holds ``config.yaml``, ``manifest.json`` (per stage ``{status, seconds, config_hash, outputs,
+metrics}``, the run's row accounting) and one folder per stage.  :func:`atomic_file`, :func:`atomic_write_json` and
+:func:`atomic_dir` write under a temp name and rename, so a crash leaves nothing half-written; :func:`open_run_dir`
+returns a :class:`RunDir`, mirrors a storage URI (:mod:`raycurate.storage`; the manifest is the commit point,
+``_scratch/`` never travels) and takes one writer's ``flock`` (:func:`acquire_lock`, :class:`RunDirError` names the
+holder), removing a killed run's temp folders.  :func:`check_stage_name` and :func:`inside` keep a tampered
+manifest inside the run.  Decisions: docs/design.md, "Run directory and resume"; docs/data.md; docs/cluster.md.
 """
 
 from __future__ import annotations

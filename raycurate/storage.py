@@ -1,14 +1,13 @@
-"""Run storage on any pyarrow filesystem: a local path, ``file://``, ``s3://``, ``gs://``, ``hdfs://``, ...
+"""Run storage on any pyarrow filesystem (local path, ``file://``, ``s3://``, ``gs://``, ``hdfs://``, ...), no Ray.
 
-A location is a URI that ``pyarrow.fs.FileSystem.from_uri`` accepts (including its query parameters, such as
-``s3://bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http``) or a plain local path.  The helpers copy one
-file or one folder between the local disk and a location; they never import Ray.
-
-Example::
+A :class:`Location` is a URI that ``pyarrow.fs.FileSystem.from_uri`` accepts (query parameters included, e.g.
+``s3://bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http``) or a local path; the helpers copy one file or
+folder between it and the local disk (used by :mod:`raycurate.rundir`), and :func:`redact` / :func:`scrub` keep
+credentials out of messages::
 
     loc = Location.parse("s3://bucket/runs").child("demo")
     upload_dir("runs-mirror/demo/ingest", loc.child("ingest"))   # replaces the remote folder's contents
-    download_file(loc.child("manifest.json"), "runs-mirror/demo/manifest.json")
+    download(loc.child("manifest.json"), "runs-mirror/demo/manifest.json")
 """
 
 from __future__ import annotations

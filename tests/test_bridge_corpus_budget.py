@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from raycurate.algorithms.bridge import SelectionSettings, corpus_response_masks, select_example
-from raycurate.algorithms.selection import corpus_budgets
+from raycurate.algorithms.bridge.rows import SelectionSettings, corpus_response_masks, select_example
+from raycurate.algorithms.bridge.selection import corpus_budgets
 
 
 def test_corpus_budgets_by_hand():
@@ -96,7 +96,7 @@ def test_select_stage_rewrite_meets_the_corpus_budget_on_token_rows(tmp_path):
     supervised total is round(rho_r * eligible), the prompt side and the fixed EOS / end-of-turn are untouched."""
     import pyarrow.parquet as pq
 
-    from raycurate.algorithms.bridge import RowScores, select_rows
+    from raycurate.algorithms.bridge.rows import RowScores, select_rows
     from raycurate.data.corpus import generate_corpus
     from raycurate.data.tokenize import token_table, tokenize_record
     from raycurate.models.loading import embedded_model_dir, load_tokenizer
@@ -131,7 +131,7 @@ def test_select_stage_rewrite_meets_the_corpus_budget_on_token_rows(tmp_path):
 
 
 def test_supervise_first_swaps_in_the_leading_positions_by_hand():
-    from raycurate.algorithms.selection import supervise_first
+    from raycurate.algorithms.bridge.selection import supervise_first
 
     mask = np.array([False, True, True, False, True, True])
     scores = np.array([0.0, 5.0, 1.0, 9.0, 1.0, -2.0])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from raycurate.algorithms.bridge import (
+from raycurate.algorithms.bridge.rows import (
     SelectionSettings,
     fixed_masks,
     prompt_relevance_drops,
@@ -87,7 +87,7 @@ def test_prompt_relevance_drops_by_hand():
 def test_score_and_select_rows_on_a_tiny_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from raycurate.algorithms.token_utility import scoring_parameters
+    from raycurate.algorithms.bridge.token_utility import scoring_parameters
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -102,8 +102,8 @@ def test_score_and_select_rows_on_a_tiny_model():
 
 
 def test_knockout_prompt_scores_replace_delta_p_in_one_final_update():
-    from raycurate.algorithms.bridge import knockout_weights, surrogate_state
-    from raycurate.algorithms.selection import top_b
+    from raycurate.algorithms.bridge.rows import knockout_weights, surrogate_state
+    from raycurate.algorithms.bridge.selection import top_b
 
     utilities, a_p, c = _scores(1)
     settings = SelectionSettings(rho_p=0.5, rho_r=0.5, closure=False)
@@ -128,7 +128,7 @@ def test_knockout_prompt_scores_replace_delta_p_in_one_final_update():
 def test_score_and_select_rows_with_the_knockout_proxy():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from raycurate.algorithms.token_utility import scoring_parameters
+    from raycurate.algorithms.bridge.token_utility import scoring_parameters
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

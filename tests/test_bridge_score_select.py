@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from raycurate.algorithms.bridge import (
+from raycurate.algorithms.bridge.rows import (
     RowScores,
     SelectionSettings,
     dequantize,
@@ -28,7 +28,7 @@ def embedded(tmp_path_factory):
     """The committed 2-layer model, a random direction on its last layer and 6 tokenized corpus rows."""
     from safetensors.torch import save_file
 
-    from raycurate.algorithms.token_utility import scoring_parameters
+    from raycurate.algorithms.bridge.token_utility import scoring_parameters
     from raycurate.data.corpus import generate_corpus
     from raycurate.data.tokenize import token_table, tokenize_record
     from raycurate.models.loading import embedded_model_dir, load_model, load_tokenizer
@@ -83,7 +83,7 @@ def _split_path(embedded, settings: SelectionSettings, dtype: str):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("proxy", ["routing", "knockout_grad"])
 def test_split_path_selects_exactly_what_the_combined_path_selects(embedded, dtype, proxy):
-    from raycurate.algorithms.routing import default_routing_layer
+    from raycurate.algorithms.bridge.routing import default_routing_layer
 
     settings = SelectionSettings(rho_p=0.5, rho_r=0.75, prompt_proxy=proxy)
     combined = score_and_select_rows(embedded["model"], embedded["direction"], default_routing_layer(embedded["model"]),
@@ -103,8 +103,8 @@ def test_split_path_selects_exactly_what_the_combined_path_selects(embedded, dty
 
 def test_float32_storage_is_the_unquantized_selection(embedded):
     """score_dtype=float32 reproduces the pre-split combined path (no rounding anywhere)."""
-    from raycurate.algorithms.bridge import score_rows, select_rows
-    from raycurate.algorithms.routing import default_routing_layer
+    from raycurate.algorithms.bridge.routing import default_routing_layer
+    from raycurate.algorithms.bridge.rows import score_rows, select_rows
 
     settings = SelectionSettings(rho_p=0.5, rho_r=0.5)
     layer = default_routing_layer(embedded["model"])
@@ -161,7 +161,7 @@ def test_a_budget_change_reruns_only_bridge_select(embedded, tmp_path, ray_local
         select_stage(run, score_stage_name="bridge_score", bridge_cfg=cfg, pool_cfg=pool, progress=False)
         return json.loads(run.manifest_path.read_text())["stages"]
 
-    from raycurate.algorithms.routing import default_routing_layer
+    from raycurate.algorithms.bridge.routing import default_routing_layer
     from raycurate.stages.bridge import selection_settings
 
     def check_against_combined(cfg):

@@ -8,16 +8,16 @@ import re
 import numpy as np
 import pytest
 
-from raycurate.algorithms.alignment import pairs_from_flat, spans_from_flat, verify_alignment
-from raycurate.algorithms.closure import (
+from raycurate.algorithms.bridge.alignment import pairs_from_flat, spans_from_flat, verify_alignment
+from raycurate.algorithms.bridge.closure import (
     closure_projection,
     final_answer_covered,
     project_response,
     top_b_mask,
     unit_quality,
 )
-from raycurate.algorithms.knapsack import greedy_density, knapsack_dp
-from raycurate.algorithms.units import Unit, structural_units, units_and_core
+from raycurate.algorithms.bridge.knapsack import greedy_density, knapsack_dp
+from raycurate.algorithms.bridge.units import Unit, structural_units, units_and_core
 
 MATH = (
     "She buys 3 toy cars at 6 dollars each, so 3 * 6 = 18 dollars.\n"

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from raycurate.algorithms.compaction import compact_example, compact_table_rows
+from raycurate.algorithms.bridge.compaction import compact_example, compact_table_rows
+from raycurate.algorithms.bridge.selection import eligible_positions, to_row_masks
 from raycurate.algorithms.losses import example_losses, token_losses
-from raycurate.algorithms.selection import eligible_positions, to_row_masks
 
 BOS, EOS = 1, 2
 # [BOS] p1 p2 p3 p4 | r1 r2 r3 r4 [EOS]

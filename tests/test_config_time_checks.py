@@ -115,7 +115,7 @@ def test_p2d_proxy_examples_are_accepted_exactly_when_the_full_batch_proxy_is(ro
 
 @pytest.mark.parametrize("row_floor, rho_r", [(0.0, 0.5), (0.5, 0.5), (0.6, 0.5), (1.0, 0.75)])
 def test_bridge_row_floor_is_accepted_exactly_when_the_selection_is(row_floor, rho_r):
-    from raycurate.algorithms.bridge import SelectionSettings
+    from raycurate.algorithms.bridge.rows import SelectionSettings
 
     problems = _problems(f"bridge.row_floor={row_floor}", f"bridge.rho_r={rho_r}")
     try:
@@ -183,7 +183,7 @@ def _model_problems(*overrides: str) -> list[str]:
 def test_bridge_layers_are_checked_against_the_models_layer_count():
     import torch
 
-    from raycurate.algorithms.token_utility import scoring_parameters
+    from raycurate.algorithms.bridge.token_utility import scoring_parameters
     from raycurate.models.loading import load_model, resolve_model_path
 
     n_layers = json.loads((Path(resolve_model_path("embedded")) / "config.json").read_text())["num_hidden_layers"]

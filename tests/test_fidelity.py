@@ -11,10 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 stats = pytest.importorskip("scipy.stats")
 
-from raycurate.algorithms import fidelity as fd  # noqa: E402
 from raycurate.algorithms import ranking as rk  # noqa: E402
-from raycurate.algorithms import token_utility as tu  # noqa: E402
-from raycurate.algorithms.selection import budgets, eligible_positions, fold_fixed_positions, select  # noqa: E402
+from raycurate.algorithms.bridge import fidelity as fd  # noqa: E402
+from raycurate.algorithms.bridge import token_utility as tu  # noqa: E402
+from raycurate.algorithms.bridge.selection import budgets, eligible_positions, fold_fixed_positions, select  # noqa: E402
 from raycurate.models.tiny import build_tiny_model  # noqa: E402
 from raycurate.models.tokenizer import train_tokenizer  # noqa: E402
 
@@ -273,7 +273,7 @@ def test_example_fidelity_state_proxies_and_table(model, direction, example):
 
 
 def test_example_fidelity_computes_routing_itself_and_state_recomputed_scores(model, direction, example):
-    from raycurate.algorithms import routing
+    from raycurate.algorithms.bridge import routing
 
     ids, prompt_len, prompt_idx, response_idx = example
     attn = routing.attention_for_layer(model, ids[None], torch.ones(1, 13, dtype=torch.long), layer=-1)[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import wasserstein_distance
 
-from raycurate.algorithms.head_scoring import (
+from raycurate.algorithms.p2d.head_scoring import (
     head_distributions,
     head_order,
     head_overlap,
@@ -153,7 +153,7 @@ def test_head_overlap_and_table():
 
 
 def test_chunked_w1_equals_the_two_step_definition(monkeypatch):
-    import raycurate.algorithms.head_scoring as head_scoring
+    import raycurate.algorithms.p2d.head_scoring as head_scoring
 
     monkeypatch.setattr(head_scoring, "_CHUNK_ELEMENTS", 40)  # 2 rows of D = 17 per chunk: 3 chunks for 6 heads
     gen = torch.Generator().manual_seed(5)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
-from raycurate.algorithms.head_scoring import score_heads
+from raycurate.algorithms.p2d.head_scoring import score_heads
 from raycurate.models.heads import head_param_slices, head_vectors, iter_head_vectors, kv_group, layer_head_vectors
 
 HIDDEN, HEAD_DIM = 12, 3

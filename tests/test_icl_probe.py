@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from raycurate.algorithms.icl_probe import (
+from raycurate.algorithms.ifd import ifd_scores
+from raycurate.algorithms.p2d.icl_probe import (
     IclPrompt,
     aggregate_example_scores,
     answer_token_logprobs,
@@ -22,7 +23,6 @@ from raycurate.algorithms.icl_probe import (
     rouge_l_f1,
     select_top,
 )
-from raycurate.algorithms.ifd import ifd_scores
 
 
 @pytest.mark.parametrize("n_examples", [8, 10, 13, 1000])  # 13 and 8 leave a remainder; 1000 hits rejection sampling
@@ -165,7 +165,7 @@ def test_ifd_is_the_conditional_over_unconditional_loss():
 
 
 def test_query_centred_scores_take_out_each_querys_own_difficulty():
-    from raycurate.algorithms.icl_probe import query_centred_scores
+    from raycurate.algorithms.p2d.icl_probe import query_centred_scores
 
     queries = [["q1", "q2"], ["q1", "q3"], ["q2", "q3"]]
     scores = [[0.9, 0.1], [0.7, 0.5], [0.3, 0.5]]

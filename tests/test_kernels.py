@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("numba")
 
-from raycurate.algorithms import kernels  # noqa: E402
-from raycurate.algorithms.closure import project_response  # noqa: E402
-from raycurate.algorithms.knapsack import knapsack_dp  # noqa: E402
-from raycurate.algorithms.selection import budgets, select, top_b  # noqa: E402
+from raycurate.algorithms.bridge import kernels  # noqa: E402
+from raycurate.algorithms.bridge.closure import project_response  # noqa: E402
+from raycurate.algorithms.bridge.knapsack import knapsack_dp  # noqa: E402
+from raycurate.algorithms.bridge.selection import budgets, select, top_b  # noqa: E402
 
 TEXTS = (
     ("She buys 3 toy cars at 6 dollars each, so 3 * 6 = 18 dollars.\nShe pays with 50 dollars, so 50 - 18 = 32 "

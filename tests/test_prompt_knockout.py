@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from raycurate.algorithms import token_utility as tu  # noqa: E402
+from raycurate.algorithms.bridge import token_utility as tu  # noqa: E402
 from raycurate.models.loading import key_log_scales  # noqa: E402
 from raycurate.models.tiny import build_tiny_model  # noqa: E402
 from raycurate.models.tokenizer import train_tokenizer  # noqa: E402

@@ -1,4 +1,4 @@
-"""BRIDGE routing weights, interaction terms and single-layer attention (algorithms.routing)."""
+"""BRIDGE routing weights, interaction terms and single-layer attention (algorithms.bridge.routing)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from raycurate.algorithms import routing  # noqa: E402
+from raycurate.algorithms.bridge import routing  # noqa: E402
 from raycurate.models.tiny import build_tiny_model  # noqa: E402
 from raycurate.models.tokenizer import train_tokenizer  # noqa: E402
 

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from raycurate.algorithms.selection import (
+from raycurate.algorithms.bridge.selection import (
     budgets,
     eligible_positions,
     fold_fixed_positions,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from raycurate.algorithms.selection import budgets
+from raycurate.algorithms.bridge.selection import budgets
 from raycurate.stages.bridge_compact import loss_baseline_columns, token_cleaning_global_columns
 
 

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from raycurate.algorithms.token_baselines import (
+from raycurate.algorithms.bridge.token_baselines import (
     TokenMasks,
     example_rng,
     excess_loss_scores,
@@ -69,7 +69,7 @@ def test_random_masks_reproducible_per_seed_and_id_and_different_across_ids():
 
 
 def test_example_rng_does_not_depend_on_python_hash_seed():
-    code = ("from raycurate.algorithms.token_baselines import example_rng;"
+    code = ("from raycurate.algorithms.bridge.token_baselines import example_rng;"
             "print(example_rng(3, 'some-id').integers(0, 2**31, 4).tolist())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": str(h), "PATH": ""}).stdout for h in (0, 1, 2)}

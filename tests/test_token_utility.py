@@ -1,4 +1,4 @@
-"""BRIDGE scoring parameters, validation gradient, direction and JVP token utilities (algorithms.token_utility)."""
+"""BRIDGE scoring parameters, validation gradient, direction and JVP token utilities (bridge.token_utility)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from raycurate.algorithms import token_utility as tu  # noqa: E402
+from raycurate.algorithms.bridge import token_utility as tu  # noqa: E402
 from raycurate.algorithms.losses import example_losses  # noqa: E402
 from raycurate.models.tiny import build_tiny_model  # noqa: E402
 from raycurate.models.tokenizer import train_tokenizer  # noqa: E402

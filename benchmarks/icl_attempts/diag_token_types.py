@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import torch
 
-from raycurate.algorithms.icl_probe import answer_token_logprobs, assemble_prompt  # noqa: E402
+from raycurate.algorithms.p2d.icl_probe import answer_token_logprobs, assemble_prompt  # noqa: E402
 from raycurate.config.p2d import P2DConfig  # noqa: E402
 from raycurate.data.chat_layout import chat_layout, instruction_ids, split_row  # noqa: E402
 from raycurate.data.corpus import generate_corpus  # noqa: E402

@@ -21,7 +21,7 @@ from raycurate.algorithms.losses import token_losses
 IMPORTANCE_MODES = ("clip", "self_normalize")
 
 # Added before flooring a count so an exact half (ratio * n = k + 0.5 in decimal) rounds up even when the float
-# product lands a hair below it (the same convention as raycurate.algorithms.selection.budgets).
+# product lands a hair below it (the same convention as raycurate.algorithms.bridge.selection.budgets).
 _HALF_UP_SLACK = 1e-9
 
 

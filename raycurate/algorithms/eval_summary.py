@@ -1,20 +1,11 @@
 """Benchmark scores, the BRIDGE paper's aggregate metrics, and per-document scoring of the embedded held-out task.
 
-Aggregates (BRIDGE paper §5.1 and App. C, Tables 1, 10, 11):
-
-* ``General Avg.`` is the unweighted mean of four capability-retention benchmarks.  ARC-Challenge, HellaSwag and
-  MMLU always count; the fourth is HumanEval after mathematical fine-tuning and GSM8K after code or instruction
-  fine-tuning (so a domain's own target never counts as retention).
-* ``Overall Avg.`` is the unweighted mean of General Avg. and the target-task score: MATH accuracy (math),
-  HumanEval pass@1 (code), and for instruction following the mean of IFEval's strict prompt-level and strict
-  instruction-level accuracy (Table 11: Llama-3.2-3B pretrained, (7.39 + 12.58) / 2 = 9.985,
-  (45.57 + 9.985) / 2 = 27.78).
-* ``Δ_Gen`` is General Avg. minus the pretrained checkpoint's (Table 12); ``Forget_general`` is its negation and
-  ``Gain_target`` the target-score improvement over the pretrained checkpoint (App. C).
-
-Scores keep the unit they come in (lm-eval reports fractions, the paper percentages); averages do not care.
-Benchmark scores are read from the flat lm-eval metrics of :func:`raycurate.stages.lm_eval.run_lm_eval`
-(``"<task>/<metric>"`` or ``"<task>/<metric>/<filter>"``) through :data:`BENCHMARK_METRICS`.
+:func:`benchmark_scores` reads the flat lm-eval metrics of :func:`raycurate.stages.lm_eval.run_lm_eval` through
+:data:`BENCHMARK_METRICS`; :func:`general_avg`, :func:`target_score`, :func:`overall_avg` and
+:func:`summarize_benchmarks` (Delta_Gen, Forget_general, Gain_target) are the paper's aggregates (§5.1, App. C,
+Tables 1, 10-12; each function's docstring gives its definition, docs/tune_eval.md "Aggregates" the benchmarks per
+domain); :func:`heldout_exact_match` and :func:`heldout_gold_loglikelihood` score one document of the embedded
+held-out task.  Scores keep the unit they come in (lm-eval fractions, the paper's percentages).
 """
 
 from __future__ import annotations

@@ -220,8 +220,7 @@ def example_gradients(model: Any, rows: list[dict], params: list[Any], *, pad_id
     """
     import torch
 
-    from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import model_example_losses
+    from raycurate.algorithms.losses import model_example_losses, pad_rows
 
     device = params[0].device
     for lo in range(0, len(rows), chunk):

@@ -3,10 +3,13 @@
 Convention of the token-level table: the loss at position ``t`` is the cross-entropy of predicting
 ``input_ids[:, t]`` from ``input_ids[:, :t]``, i.e. from ``logits[:, t - 1]``.  :func:`token_losses` is the
 only place in raycurate where labels are shifted; everything downstream works on per-position losses that are
-aligned with ``input_ids`` and ``loss_mask``.
+aligned with ``input_ids`` and ``loss_mask``.  :func:`pad_rows` right-pads token rows into the batch every
+model pass of the stages takes (SFT, BRIDGE, BDS, LESS, P2D).
 """
 
 from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -144,3 +147,21 @@ def weighted_batch_loss(per_example: torch.Tensor, weights: torch.Tensor | None 
             "pass one weight per example."
         )
     return (weights.to(per_example.dtype) * per_example).sum() / per_example.numel()
+
+
+def pad_rows(rows: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad token rows into a batch.
+
+    Returns:
+        ``input_ids``, ``attention_mask``, ``loss_mask``: (B, T) long tensors.
+    """
+    width = max(len(r["input_ids"]) for r in rows)
+    batch = {k: torch.zeros((len(rows), width), dtype=torch.long) for k in ("input_ids", "attention_mask",
+                                                                          "loss_mask")}
+    batch["input_ids"].fill_(pad_id)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        batch["input_ids"][i, :n] = torch.as_tensor(r["input_ids"])
+        batch["attention_mask"][i, :n] = 1
+        batch["loss_mask"][i, :n] = torch.as_tensor(r["loss_mask"])
+    return batch

@@ -4,10 +4,10 @@
   built on it: :func:`spearman` and :func:`auroc` (Mann-Whitney U, ties count 1/2) with its per-class
   :func:`bootstrap_auroc_ci` and :func:`auroc_by_kind`.
 * Budget-``b`` selection agreement between a reference and a proxy score vector over the same candidates (paper
-  §5.4 Table 3, App. F.2), with the Top-b sets of :func:`raycurate.algorithms.selection.top_b` (ties by
+  §5.4 Table 3, App. F.2), with the Top-b sets of :func:`raycurate.algorithms.bridge.selection.top_b` (ties by
   position): :func:`top_b_overlap`, :func:`jaccard`, :func:`normalized_regret`, :func:`utility_retention` and
   :func:`selection_metrics`.  The conventions for degenerate cases (NaN, left out of means) are described in
-  :mod:`raycurate.algorithms.fidelity`, which compares model-based references with proxies through them.
+  :mod:`raycurate.algorithms.bridge.fidelity`, which compares model-based references with proxies through them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from raycurate.algorithms.selection import top_b
+from raycurate.algorithms.bridge.selection import top_b
 
 METRICS = ("spearman", "top_b_overlap", "jaccard", "normalized_regret")
 

@@ -1,16 +1,12 @@
-"""Confidence intervals for the comparisons the report shows (pure numpy).
+"""Confidence intervals for the comparisons the report shows (pure numpy); every bootstrap is seeded.
 
-Every interval is a percentile bootstrap with an explicit seed, so the same inputs give the same interval:
-
-* :func:`bootstrap_mean_ci` — one model's mean per-item score.
-* :func:`paired_bootstrap_ci` — the difference of two models scored on the SAME items (held-out questions): the
-  items are resampled once per replicate and both models keep their own score on each resampled item, which is
-  what makes the interval much tighter than two independent intervals when the models agree on most items.
-* :func:`stratified_paired_bootstrap_ci` — the same difference pooled over several corpus seeds (each seed its own
-  question set): questions are resampled within each seed and the seeds' mean differences are averaged.
-* :func:`bootstrap_precision_ci` — selection precision against ground-truth labels, resampling the selected rows
-  (AUROC intervals: :func:`raycurate.algorithms.ranking.bootstrap_auroc_ci`).
-* :func:`gap_closed` — the share of the clean-vs-mixed (oracle) gap that a method closes.
+:func:`bootstrap_mean_ci` (one model's mean per-item score); :func:`paired_bootstrap_ci` (two models on the SAME
+held-out items, resampled once per replicate, so agreement tightens the interval);
+:func:`stratified_paired_bootstrap_ci` (the same pooled over corpus seeds, resampling within each seed);
+:func:`t_interval_over_runs` (over repeated trainings, which includes the training's own noise);
+:func:`bootstrap_precision_ci` (selection precision against labels; AUROC intervals are
+:func:`raycurate.algorithms.ranking.bootstrap_auroc_ci`); :func:`gap_closed` (the share of the clean-vs-mixed oracle
+gap a method closes).  Why paired, and which metric: docs/design.md, "The proving ground".
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""One way to build a job config: from a job file (or the defaults), setting layers, ``key=value`` overrides and
-keyword settings.  The CLI's commands (``raycurate run / demo / train``) and the Python API's calls
-(``raycurate.ingest``, ``bridge_select``, ``curate``, ...) both go through :func:`build_job_config`.
+"""One way to build a job config, shared by the CLI (``raycurate run / demo / train``) and the Python API
+(``raycurate.ingest``, ``bridge_select``, ``curate``, ...): :func:`build_job_config`.
 
-Layers, later ones win::
-
-    job file (none: every key at its default)
-    -> each mapping of ``layers``   dotted keys (``"train.lr"``) or nested section mappings, merged key by key
-    -> ``overrides``                ``key=value`` strings with YAML values (the command line)
-    -> ``keys``                     dotted keys; None values are left out (an API call's keywords)
-    -> ``pipeline``
-
-so ``raycurate run job.yaml curate.keep_fraction=0.5`` and ``raycurate.curate(rows, keep_fraction=0.5)`` set the
-same key the same way, and are validated by the same checks (:func:`raycurate.config.loader.from_dict`).
-:func:`check_keyword_types` checks an API call's keywords that are not config keys (``workdir``, ``online``).
+Layers, later ones win: the job file (or every key's default), each mapping of ``layers`` (dotted keys or nested
+sections, merged key by key), ``overrides`` (``key=value`` strings with YAML values: the command line), ``keys``
+(dotted keys, None left out: an API call's keywords), then ``pipeline``.  So ``raycurate run job.yaml
+curate.keep_fraction=0.5`` and ``raycurate.curate(rows, keep_fraction=0.5)`` set the same key the same way and
+pass the same checks (:func:`raycurate.config.loader.from_dict`).  :func:`check_keyword_types` checks an API
+call's keywords that are not config keys (``workdir``, ``online``).
 """
 
 from __future__ import annotations

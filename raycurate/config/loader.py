@@ -1,15 +1,13 @@
 """Load typed configs from YAML plus ``key=value`` overrides, rejecting unknown keys and wrong types.
 
-All problems in one file are collected and reported together, each naming the dotted key, what was given and what
-is allowed, so a user fixes a config in one pass::
+:func:`load_config` reports every problem of a file and its overrides in one :class:`ConfigError`, each naming the
+dotted key, what was given, what is allowed and its origin (an unknown key gets the closest valid one). Checks:
+types, ``choices``, list items, ranges (:func:`raycurate.config.base.option`), each section's ``config_problems()``::
 
     ConfigError: jobs/demo.yaml has 2 problems: (1) train.zero_stage: 5 is not one of [0, 1, 2, 3] [in
     jobs/demo.yaml]; (2) train.lrr: unknown key (did you mean train.lr?) [from the command line]
 
-Checks run when the config is loaded, before any stage: types, ``choices``, the allowed items of list-valued
-names, number ranges (see :func:`raycurate.config.base.option`) and each section's cross-field checks (a
-``config_problems()`` method returning problem strings).  Each problem says whether the key came from the file or
-the command line, and an unknown key gets the closest valid key as a suggestion.
+Also :func:`config_hash`, :func:`dump_yaml`, :func:`config_help`; decisions in docs/design.md, "Config".
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""Sweep files for ``raycurate tune`` (``tune/*.yaml``): a job, the keys to vary and the metric to optimise.
-
-Example::
+"""Sweep files for ``raycurate tune`` (``tune/*.yaml``); :func:`load_sweep` checks every ``params`` key against the job
+and refuses held-out metrics (docs/tune_eval.md)::
 
     name: bridge_budgets
     job: jobs/bridge_demo.yaml            # relative to the sweep file's folder's parent, or absolute
     overrides: [data.corpus_rows=600, data.validation_questions=200, eval.split=validation]
     metric: results.validation.bridge.gold_loss
     mode: min
-    search: grid                          # grid | random
-    params:
-      bridge.rho_p: {grid: [0.5, 0.75]}
-      bridge.lam: {uniform: [0.0, 0.5]}   # random search only
+    params: {bridge.rho_p: {grid: [0.5, 0.75]}}   # search: grid (default); random also samples {uniform: [a, b]}
     scheduler: {type: asha, rungs: 3, rung_steps: 20, reduction_factor: 2}
-
-Every key under ``params`` must be a valid job config key (checked against the job before anything runs), so a typo
-fails in a second, not after the first trial.  ``metric`` is a dotted path into the run manifest; it may not read
-the held-out results (``results.heldout`` / ``results.curation``), which are what a run reports: sweeps score the
-validation questions (``eval.split=validation``, ``results.validation``) instead.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Where a tokenizer's special tokens sit: the sequence's, a turn's, or none (BOS handling in one place).
 
-Three kinds of tokenizer reach the engine, and code that adds, strips or joins rows must treat their BOS apart:
-
-* ``separate``: a BOS that belongs to the *sequence* and to no turn (the embedded tokenizer's ``<|bos|>``, added by
-  :mod:`raycurate.data.tokenize`; Llama-3's ``<|begin_of_text|>``, which its template emits once at the start).
-  A sequence opens with it once; rows joined into one sequence (a P2D probe) drop theirs.
-* ``turn``: the BOS *is* the token that opens every chat turn (ChatML as SmolLM2 ships it: BOS = ``<|im_start|>``).
-  It is part of the row's first turn and is never stripped; nothing is prepended.
-* ``none``: no BOS at all (Qwen2-style ChatML, ``bos_token_id`` None).
-
-Without a chat template the BOS, when there is one, is always the sequence's.  The kind is read off the template:
-a BOS whose text the template renders more than once in a conversation of two exchanges opens turns (ChatML: once
-per turn; Llama-2: once per exchange), one rendered once at the start belongs to the sequence (Llama-3).
-
-Joining rows (:func:`row_separator`): the text the template renders after the end-of-turn marker (ChatML: ``"\\n"``
-after ``<|im_end|>``; the embedded template: nothing), so consecutive rows read as the template writes consecutive
-turns.  The P2D probe instruction (:func:`instruction_ids`) is plain text and a blank line after the BOS for
-``separate`` tokenizers (what the embedded model saw in pre-training) and for template-less ones; for ``turn`` /
-``none`` chat tokenizers it is a system turn rendered by the template, followed by the row separator, so the probe
-reads as a chat: ``system(instruction) \\n row_1 \\n row_2 ...``.
+:func:`bos_kind` reads off the chat template whether the BOS belongs to the sequence (``separate``: the embedded
+``<|bos|>``, Llama-3), opens every turn (``turn``: ChatML as SmolLM2 ships it) or is absent (``none``: Qwen2);
+:func:`chat_layout` bundles it with :func:`separator_text` (what the template renders between rows) and
+:func:`assistant_header_text`.  Code that adds, strips or joins rows goes through :func:`sequence_lead`,
+:func:`split_row`, :func:`instruction_ids` (the P2D probe instruction) and :func:`response_alone` (IFD's
+response-only row).  The rules: docs/data.md, "Token-level table"; the probe layout: docs/p2d.md, "Prompt layout".
 """
 
 from __future__ import annotations

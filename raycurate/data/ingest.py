@@ -1,19 +1,11 @@
-"""Streaming ingest: read -> validate -> split -> parquet shards + ``rejected.jsonl`` (docs/data.md).
+"""Streaming ingest: read -> validate -> split -> parquet shards + ``rejected.jsonl``.
 
-Outputs in ``out_dir`` (all written under temporary names and renamed with ``os.replace`` only when complete):
-
-* ``accepted-00000.parquet``, ``accepted-00001.parquet``, ... — ``shard_rows`` rows each, columns ``id``,
-  ``prompt``, ``response``, ``domain`` (null when absent), ``split``, ``source``, ``line``, then every
-  pass-through field.  At least one shard is always written (possibly empty) so readers never see zero files.
-* ``rejected.jsonl`` — one ``{source, line, reason, field, detail, raw}`` object per rejected row, ``raw``
-  truncated to 2,000 characters.
-
-Pass-through fields stay native parquet columns when pyarrow can type them consistently (nested dicts become
-structs; int/float mixes become float; null-only shards are promoted).  A field whose values cannot share one
-type (say a string in one row and an object in another) is stored JSON-encoded as a string column in every
-shard; :attr:`IngestResult.json_columns` lists those fields.
-
-Memory is bounded by one shard of accepted rows plus the set of seen ids.
+:func:`ingest` reads every input (:mod:`raycurate.data.readers`), checks each record
+(:mod:`raycurate.data.validate`), assigns its split and writes ``accepted-NNNNN.parquet`` shards and one
+``{source, line, reason, field, detail, raw}`` object per rejected row, each file under a temporary name renamed
+when complete; :class:`IngestResult` holds the counts, paths and ``json_columns`` (pass-through fields stored
+JSON-encoded because their values share no one type).  Memory: one shard plus the set of seen ids.  The contract
+(columns, reasons, splits): docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Seeded pre-training episodes that teach a tiny model to learn in context and to read the prompt's facts.
 
-Every generator returns *episodes*: one string holding several chat examples rendered the way the tokenization
-layer and P2D's probe render them (``<|user|>prompt<|end|><|assistant|>response<|end|><|eos|>``, see
-:mod:`raycurate.models.tokenizer`), optionally after an instruction line.  The examples of an episode share a
-latent element that the next example can only be predicted from (a per-episode rule, answer format, fact table or
-token sequence), so the cheapest way to lower the loss on later examples is to attend back to earlier ones: the
-pressure that forms induction heads and in-context learning in small models.
-
-Kinds (all generic; none depends on the benchmark's templates):
-
-* ``lookup``: each example is a fact list (entity, attribute, value) with distractor facts about other entities;
-  the question asks for one fact, the answer copies it and ends ``#### <value>``.  The episode fixes the answer
-  phrasing, so later examples predict it from the earlier ones; the value itself must be read from the facts.
-* ``rule``: a per-episode hidden arithmetic rule (``y = x + c``, ``y = x * c``, ``y = c - x`` ...) shown on
-  input/output pairs; later outputs are predictable only after inferring ``c`` from earlier examples.
-* ``mapping``: a per-episode random word -> word table; queries repeat keys, so the value is copied from an
-  earlier example (the classic induction pattern ``A B ... A -> B``).
-* ``copy``: repeat a random word list (copy from the prompt).
-* ``worked``: fact + distractor word problems with one to three worked steps and ``#### answer``, using only the
-  relevant facts; per episode one operation family, so demos show which facts matter.
-* ``domain``: the benchmark's own clean texts (:func:`raycurate.data.corpus.generate_pretraining_texts`), grouped
-  several per episode like a probe prompt (instruction, examples).
-
-:func:`pretraining_mixture` draws episodes of these kinds with seeded weights; the same seed gives the same texts.
+An episode is one string of several chat examples rendered as rows and P2D's probe render them
+(:func:`render_example`, :func:`render_episode`), sharing a latent element only the earlier examples reveal, so
+attending back is the cheapest way to lower the loss: :func:`lookup_episode` (facts with distractors),
+:func:`rule_episode` (a hidden arithmetic rule), :func:`mapping_episode` (induction ``A B ... A -> B``),
+:func:`copy_episode`, :func:`worked_episode` (worked fact + distractor problems) and :func:`domain_episodes` (the
+benchmark's clean texts).  :func:`pretraining_mixture` draws them with seeded weights for the embedded model's
+recipe (:mod:`raycurate.models.pretrain`); why: docs/design.md, "Embedded base model".
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Streaming readers for the corpus formats: JSON lines (plain or compressed), parquet and HF ``save_to_disk`` folders.
 
-Decisions:
-
-* Format comes from the path: ``.jsonl`` / ``.ndjson`` / ``.json`` are JSON lines, also compressed as ``.gz``,
-  ``.bz2``, ``.xz`` or ``.zst`` (``rows.jsonl.gz``); a ``.json`` file whose first non-blank byte is ``[`` is read as
-  one JSON array (elements numbered from 1), and one whose whole text is a single JSON object is one row.
-  ``.parquet`` is parquet; a folder with ``dataset_info.json`` / ``state.json`` (a ``Dataset``) or
-  ``dataset_dict.json`` (a ``DatasetDict``, splits read in name order) is an HF dataset.  Any other folder is
-  expanded to the supported files under it (recursively, sorted); a path with ``*``/``?``/``[`` is a glob (sorted).
-  So the row order is deterministic for a given set of files.
-* Nothing under a folder or glob is skipped silently: every file that is not read (unsupported suffix, hidden,
-  a symlinked folder, a broken symlink) is listed with its reason by :func:`plan_inputs` (ingest puts the list in
-  its metrics and logs it).  A path given directly that cannot be read is an :class:`~raycurate.errors.InputError`.
-* JSON lines are read as bytes and decoded per line, so one bad line is one rejected row: invalid UTF-8 ->
-  ``non_utf8``, invalid JSON -> ``malformed_json``, a JSON value that is not an object -> ``wrong_type``.
-  Blank (whitespace-only) lines are skipped and not counted as input rows; ``line`` is always the physical
-  1-based line number in the file, so error messages point at the right line.  A UTF-8 BOM is ignored; a file
-  with a UTF-16 / UTF-32 BOM (or UTF-16 without one, recognised by its NUL bytes) is decoded as such.
-* A ``.json`` array with a syntax error keeps every element that parses: the broken stretch up to the next
-  element becomes one ``malformed_json`` row.
-* A file that breaks while being read (a truncated ``.gz``, a corrupt parquet page) yields one
-  ``unreadable_file`` row for what could not be read (for parquet: one per unread row, since the footer gives the
-  count), so the accounting still adds up and the reason is in ``rejected.jsonl``.
-* Parquet and HF rows are numbered from 1 in file order (``line`` = row number).
-* Parquet footers and HF datasets are opened by :func:`resolve_inputs` before any row is read, so a corrupt or
-  missing file fails the run up front instead of halfway.
+:func:`plan_inputs` expands paths, folders and globs (sorted, so row order is deterministic) and lists every file
+not read with its reason; :func:`resolve_inputs` opens parquet footers and HF datasets before any row is read, so a
+corrupt input fails up front; :func:`file_format` picks the reader from the path; :func:`iter_raw_rows` yields
+:class:`RawRow` objects, one per line, array element or parquet/HF row, a bad line becoming one rejected row
+(``non_utf8``, ``malformed_json``, ``wrong_type``, ``unreadable_file``).  Formats, encodings, line numbers and
+rejections: docs/data.md, "Input" and "Rejections".
 """
 
 from __future__ import annotations

@@ -1,34 +1,12 @@
 """Tokenization into the token-level table (shared data contract).
 
-Layout of one row: ``input_ids = prompt side + response side``.
-
-* Without a chat template (``tokenizer.chat_template`` unset): prompt side = ``[BOS] + tokens(prompt + "\\n")``,
-  response side = ``tokens(response) + [EOS]``.  The separator is one newline, tokenized with the prompt.
-* With a chat template: prompt side = the sequence lead (:func:`raycurate.data.chat_layout.sequence_lead`: the
-  BOS when it belongs to the sequence, only when the render does not already start with it; nothing when the BOS
-  opens chat turns, as ChatML's ``<|im_start|>``, or there is none) +
-  ``tokens(render(conversation, add_generation_prompt=True))``; response side = ``tokens(response)`` +
-  ``tokens(end-of-turn marker)`` + ``[EOS]`` (skipped when the marker already ends with EOS).  The conversation
-  is ``messages`` without its final assistant turn when the record has ``messages``, else one user turn with the
-  prompt.  The end-of-turn marker is what the template renders after the assistant text (e.g. ``<|im_end|>``),
-  trailing whitespace stripped; it is empty when the template renders the assistant text altered (e.g. trimmed).
-* ``system_prompt`` (config ``tokenize.system_prompt``) applies to conversations without a system turn of their
-  own (a record's own system turn always wins): ``"default"`` renders them as given, so a template that injects a
-  default system turn (SmolLM2: "You are a helpful AI assistant named SmolLM...") does; ``"none"`` renders no
-  system turn at all (the conversation is rendered after a placeholder system turn, and that turn's render is cut
-  off the front); any other string is rendered as the system turn.  Templates without a default system turn
-  render the same tokens for ``"default"`` and ``"none"``.
-
-Prompt and response are tokenized separately and concatenated, so ``prompt_len`` is exact; ``loss_mask`` is 1
-on every response-side position (EOS and markers included).  ``prompt_offsets`` / ``response_offsets`` hold
-``start, end`` character offsets per token into ``prompt`` / ``response`` (flattened, ``2 * n`` values);
-tokens that are template markup, separators or special tokens get ``-1, -1``.  In templated prompts each
-conversation turn is located in the prompt text, so offsets point into ``prompt`` even for multi-turn chats.
-
-Sequences longer than ``max_length`` are rejected (reason ``over_length`` with the token counts), never
-truncated.  ``weight`` is the record's numeric ``weight`` field when it has one, else 1.0.  All other record
-fields (``prompt``, ``response``, ``domain``, ``split``, ``source``, ``line``, ...) pass through.  Needs a fast
-(Rust) tokenizer, which provides character offsets.
+:func:`tokenize_record` turns one record into a row: ``input_ids`` = prompt side (BOS as
+:func:`raycurate.data.chat_layout.sequence_lead` says + the chat-template render up to the assistant turn, or
+``prompt + "\n"`` without a template) + response side (response, end-of-turn marker, EOS), tokenized separately
+so ``prompt_len`` is exact, with ``loss_mask`` on the response side and per-token character offsets (``-1`` for
+markup); a row over ``max_length`` is an ``over_length`` rejection, never truncated.  :func:`tokenize_batch` /
+:func:`token_table` do it for a batch, :func:`render_conversation` renders a prompt, :func:`kept_spans` maps a
+loss mask back to character spans.  The full contract: docs/data.md, "Token-level table".
 """
 
 from __future__ import annotations

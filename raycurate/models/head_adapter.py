@@ -1,24 +1,12 @@
-"""Sparse head adaptation as a head-delta adapter (P2D §3.2.3 "P2D‡"; docs/p2d.md).
+"""Sparse head adaptation as a head-delta adapter (P2D §3.2.3 "P2D‡").
 
-Only the weight slices of the selected heads train: per layer, the q_proj rows of its selected query heads, the
-k_proj / v_proj rows of their KV groups (deduplicated: two selected heads of one group share one k/v delta), and
-optionally their o_proj columns.  Instead of training full matrices with masked gradients, every trainable slice is
-a small zero-initialised parameter ``delta`` and the projection outputs are patched by forward hooks:
-
-* q/k/v: ``out[..., rows] += x @ delta.T`` with ``delta`` (n_rows, hidden) -- ``index_add`` on the last dim;
-* o:     ``out += x[..., cols] @ delta.T`` with ``delta`` (hidden, n_cols).
-
-The effective weight is ``W + scatter(delta)``, so the gradient of ``delta`` equals the gradient of those slices of
-``W`` and SGD on the deltas reproduces full training with masked gradients, while the optimizer only ever sees (and
-keeps state for) the deltas.  The hooks read only module inputs/outputs, never the base weights, so they work with
-bf16 weights and under DeepSpeed ZeRO-2/3: each delta lives in its own small module (:class:`SliceDelta`) that the
-hook *calls*, so ZeRO-3 gathers it like any other submodule.  Attach the adapter before building the optimizer or
-the DeepSpeed engine.
-
-Saving: :func:`merge_head_delta` folds the deltas into the base weights in place and removes the adapter, so
-``save_pretrained`` writes a plain HF checkpoint.  Under ZeRO-3 (weights partitioned) merge the consolidated state
-dict instead with :func:`merge_head_delta_state_dict`; the row/column indices are persistent buffers, so a state
-dict that holds the adapter describes itself.
+:func:`attach_head_delta` gives each selected head's q_proj rows, its KV group's k/v rows (one delta per group) and
+optionally its o_proj columns a zero-initialised ``delta`` (:class:`SliceDelta`), added to the projection outputs by
+forward hooks, so the effective weight is ``W + scatter(delta)`` and the optimizer keeps state for the deltas only.
+The hooks call the delta modules and never read the base weights: bf16 and DeepSpeed ZeRO-2/3 work.  Attach before
+building the optimizer or engine.  :func:`merge_head_delta` folds the deltas into the weights for
+``save_pretrained`` (under ZeRO-3 :func:`merge_head_delta_state_dict` on the consolidated state dict; the indices
+are persistent buffers).  Head slices: :mod:`raycurate.models.heads`; decisions: docs/p2d.md, "Sparse adaptation".
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""Which weights an attention head owns, and its flattened weight vector (P2D head identification; docs/p2d.md).
+"""Which weights an attention head owns, and its flattened weight vector (P2D head identification).
 
-Geometry (Llama, Qwen2, Mistral, Gemma; ``head_dim`` may differ from ``hidden / n_heads``, as in Gemma): query head
-``h`` of a layer owns rows ``[h * head_dim, (h + 1) * head_dim)`` of ``q_proj.weight`` (out, in) and columns of the
-same range of ``o_proj.weight`` (hidden, n_heads * head_dim).  Under grouped-query attention it *shares* the key and
-value head of its KV group ``g = h // (n_heads // n_kv_heads)``: rows ``[g * head_dim, (g + 1) * head_dim)`` of
-``k_proj.weight`` and ``v_proj.weight``.  Slicing K/V with the query index ``h`` instead of ``g`` (as the public ALPS
-code does) reads the wrong group for most heads and runs past the end of K/V for ``h >= n_kv_heads``.
-
-A head's vector is the concatenation, in this order, of its q rows, its group's k rows, its group's v rows and
-(optionally) its o columns, each flattened row-major (a (head_dim, hidden) block; the o block is taken as the
-transposed (head_dim, hidden) slice so every block has the same layout).  The order matters to index-support
-scores such as W1 (:mod:`raycurate.algorithms.head_scoring`) and is fixed here.
+Query head ``h`` owns rows ``[h * head_dim, (h + 1) * head_dim)`` of ``q_proj`` and the same columns of ``o_proj``,
+and shares the k/v rows of its KV group ``g = h // (n_heads // n_kv_heads)`` (Llama, Qwen2, Mistral, Gemma;
+``head_dim`` need not be ``hidden / n_heads``): :func:`head_param_slices`, :func:`kv_group`.  A head's vector
+(:func:`layer_head_vectors`, :func:`head_vectors`, :func:`iter_head_vectors`) is its q rows, its group's k and v
+rows and optionally its o columns (transposed), flattened in that fixed order, which index-support scores such as
+W1 (:mod:`raycurate.algorithms.p2d.head_scoring`) depend on.  Why group, not index, slicing: docs/p2d.md,
+"Head slices (GQA)"; the trainable head deltas are :mod:`raycurate.models.head_adapter`.
 """
 
 from __future__ import annotations

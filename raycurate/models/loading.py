@@ -1,25 +1,12 @@
-"""Load local HF checkpoints (tiny or real) and expose attention weights and head geometry.
+"""Load local HF checkpoints (tiny, embedded or real) and expose attention weights and head geometry.
 
-Decisions:
-
-* Nothing here reaches a hub: every ``from_pretrained`` call passes ``local_files_only=True`` and
-  ``trust_remote_code=False``.
-* An adapter-only folder (a LoRA run's export, ``train.export: adapter``: ``adapter_config.json``, the adapter's
-  weights and tokenizer files, no ``config.json``) loads as its base (``base_model_name_or_path``) with the adapter
-  merged in float32 (:func:`adapter_base`, :func:`config_dir`), so every stage reads it like a full checkpoint.
-  ``load_model(..., unmerged_adapter=True)`` keeps it unmerged instead (a PEFT model: the base in ``dtype``, the
-  adapter in float32), which lets held-out evaluation run the frozen base in bf16 without rounding the update away
-  (``eval.dtype``, :mod:`raycurate.models.precision`).
-* :func:`check_model_source` says, before any stage runs, whether a model path can work (a tiny preset, or a
-  folder with ``config.json``, weights and tokenizer files), so a wrong ``--model`` is one clear error instead of
-  a tokenizer traceback several stages later.
-* With transformers 5, ``output_attentions=True`` under ``sdpa`` silently returns an empty ``attentions`` tuple.
-  :func:`enable_attention_outputs` switches the model to an attention implementation that materialises weights:
-  plain ``"eager"`` for all layers, or, for a subset of layers, a registered implementation
-  (``"raycurate_selective_eager"``) that runs the model's own eager attention on the chosen layers and SDPA on the
-  others, so a 3B model does not store (B, H, T, T) weights for every layer.  In the selective mode
-  ``outputs.attentions`` still has one entry per layer so ``outputs.attentions[l]`` is layer ``l``; unselected
-  layers hold an empty placeholder of shape (B, n_heads, 0, 0).  :func:`check_attentions` verifies the result.
+:func:`load_model` / :func:`load_tokenizer` never reach a hub (``local_files_only=True``, no remote code); an
+adapter-only folder loads as its base with the adapter merged in float32 (:func:`adapter_base`,
+:func:`config_dir`), or unmerged with ``unmerged_adapter=True`` (:mod:`raycurate.models.precision`).
+:func:`check_model_source` rejects an unusable ``--model`` before any stage runs.  :func:`enable_attention_outputs`
+makes chosen layers return attention weights (SDPA returns none) and :func:`check_attentions` verifies them;
+:func:`key_log_scales` is BRIDGE's knock-out hook; :func:`head_geometry` and :func:`attention_layer_types` describe
+the heads.  Decisions: docs/design.md, "Run directory and resume" and "Attention weights"; docs/bridge.md.
 """
 
 from __future__ import annotations

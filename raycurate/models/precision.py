@@ -1,22 +1,11 @@
 """The precision a held-out evaluation runs a model in (``eval.dtype``).
 
-Decisions:
-
-* A LoRA adapter folder (``train.export: adapter``) is merged onto its base in float32 on load, so on SmolLM2-135M,
-  whose weights are stored in bf16, a fine-tuned arm is evaluated in fp32 while the base model itself runs in bf16.
-  Merging into bf16 weights is no way out: an update ~1e-3 of a weight is below bf16's 8 significant bits and
-  mostly rounds away. ``eval.dtype=bfloat16`` keeps the adapter unmerged in fp32 beside the frozen base in bf16 (a
-  PEFT model, :func:`raycurate.models.loading.load_model` with ``unmerged_adapter=True``); a full checkpoint is
-  cast to bf16 (which rounds a fine-tuned fp32 checkpoint's small update). ``float32`` upcasts every weight.
-* **The default, ``auto``, stays the evaluation from before the option** (each checkpoint as stored, an adapter
-  merged in fp32). Measured on a SmolLM2 LoRA arm (300 held-out questions, benchmarks/RESULTS.md): the bf16
-  path changed 6.7% of the greedy answer texts (near-ties in the answer's arithmetic, as often right as wrong:
-  exact match +0.003 [-0.017, +0.023] greedy, -0.002 [-0.018, +0.015] sampled) for 1.2-1.3x less time on a
-  loaded 2-core CPU, against the 98% agreement asked of a default. The base's weights are stored in bf16 and the
-  adapter stays exact, so the rounding that moves them is the bf16 activations'.
-* :func:`eval_plan` says what a load will do without loading anything, so the evaluation stage's hash can cover
-  exactly that: it names the plan only when it differs from :func:`legacy_eval_plan`, and a finished run whose
-  models would load the same keeps its stage hashes whatever the setting (``float32`` on an adapter arm, say).
+:func:`load_eval_model` loads a checkpoint for evaluation: ``auto`` (the default) as stored, a LoRA adapter merged
+onto its base in fp32; ``bfloat16`` the base in bf16 with the adapter unmerged in fp32 beside it
+(:func:`raycurate.models.loading.load_model` with ``unmerged_adapter=True``), a full checkpoint cast to bf16;
+``float32`` everything upcast.  :func:`eval_plan` says what a load will do without loading, so the evaluation
+stage's hash names the plan only where it differs from :func:`legacy_eval_plan` and finished runs keep their
+hashes.  Why ``auto`` stays the default (measured agreement and speed): docs/design.md, "Evaluation".
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""Brief causal-LM pre-training of a tiny preset, cached on disk as a local HF checkpoint.
+"""Causal-LM pre-training of a tiny preset, cached on disk as a local HF checkpoint, and the embedded model's recipe.
 
-Decisions:
-
-* Texts are tokenized as BOS + text + EOS, concatenated into one token stream and cut into ``max_len`` blocks
-  (nanoGPT-style packing: no padding, documents separated by EOS/BOS).  Each step draws ``batch_size`` blocks
-  uniformly without replacement from a seeded ``torch.Generator``.
-* AdamW (betas 0.9/0.95, weight decay 0.1 on matrices only), linear warm-up over ~5% of the steps then cosine decay
-  to 10% of ``lr``; gradient clipping at 1.0.  The loss is computed here (the one shift of the contract).
-* ``ensure_base_model`` caches under ``<cache_dir>/base-models/<preset>-<key>`` where ``key`` hashes every argument
-  that changes the weights.  The checkpoint is built in a temp dir inside ``cache_dir`` and published with
-  ``os.replace``; a per-key ``fcntl`` lock makes a racing process wait and then reuse the result instead of
-  training twice.  A directory under the final name is always complete.
+:func:`pack_token_blocks` and :func:`pretrain_causal_lm` (packed blocks, AdamW, warm-up + cosine) train a model;
+:func:`ensure_base_model` caches one per :func:`base_model_key` under an :func:`exclusive_lock`;
+:func:`pretrain_curriculum`, :func:`recipe_texts` and :func:`build_recipe_checkpoint` are the recipe behind the
+committed ``raycurate/models/embedded/`` checkpoint (texts: :mod:`raycurate.data.pretrain_texts`).  Decisions:
+docs/design.md, "Tiny base model" and "Embedded base model".
 """
 
 from __future__ import annotations

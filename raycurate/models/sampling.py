@@ -1,25 +1,10 @@
-"""Seeded temperature / nucleus sampling from a Hugging Face causal LM, with generation-time log-probs (BMO;
-docs/bilevel.md).
+"""Seeded temperature / nucleus sampling from a Hugging Face causal LM, with generation-time log-probs (BMO).
 
-Decisions:
-
-* Own decoding loop with a KV cache (``model(..., past_key_values=..., use_cache=True)``) instead of
-  ``model.generate``: every random draw comes from an explicit ``torch.Generator``, so the same seed gives the same
-  responses, and the log-probs are recorded exactly as defined below.
-* Prompts are left-padded (:func:`raycurate.models.generation.left_pad`) and ``position_ids`` are taken from the
-  attention mask, so a padded row sees the same positions as the prompt alone.
-* Sampling is by inverse CDF: at each step each row draws one uniform ``u`` and takes the first token whose
-  cumulative probability exceeds ``u``.  With one generator per prompt, a prompt consumes exactly ``n`` uniforms per
-  decoding step whatever else is in the batch, so its samples do not depend on batch composition or chunking (up to
-  float rounding of the logits under padding).
-* **Recorded log-prob = log pi(y_t | x, y_<t) at temperature 1**, i.e. ``log_softmax`` of the raw logits, *not* of
-  ``logits / temperature`` and not renormalised over the top-p nucleus.  BMO's importance weight
-  ``r = pi_theta(y) / pi_old(y)`` compares the policy's own probabilities: ``pi_theta`` is recomputed teacher-forced
-  by the trainer from raw logits, so ``pi_old`` must be the same distribution, evaluated at generation time.  This
-  is also what vLLM returns with ``logprobs_mode="raw_logprobs"`` (its V1 default), so the HF and vLLM actors agree.
-* ``temperature == 0`` means greedy decoding (no random draws).
-* A response stops at the first token in ``eos_ids`` (kept in the response, its log-prob recorded,
-  ``finished=True``) or after ``max_new_tokens`` tokens (``finished=False``).
+:func:`sample_responses` decodes with its own KV-cached loop: one ``torch.Generator`` per prompt
+(:func:`derive_seed`), left-padded prompts, inverse-CDF draws (:func:`nucleus_probs`, :func:`draw_tokens`), so a
+prompt's samples do not depend on the batch; each :class:`Sample` records ``log pi(y_t | x, y_<t)`` at temperature
+1 from the raw logits (what BMO's importance weights and vLLM's ``raw_logprobs`` use).  Temperature 0 is greedy.
+Decisions: docs/bilevel.md, "HF sampling loop" and "Log-probs".
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
-"""A download-free byte-level BPE tokenizer with chat special tokens.
+"""A download-free byte-level BPE tokenizer with chat special tokens: :func:`train_tokenizer`.
 
-Decisions:
-
-* Byte-level BPE (GPT-2 style byte alphabet, no unknown token) trained with the ``tokenizers`` library; training is
-  deterministic for the same texts and settings.
-* Special tokens (ids 0..6, in this order): ``<|bos|>``, ``<|eos|>``, ``<|pad|>``, ``<|user|>``, ``<|assistant|>``,
-  ``<|system|>``, ``<|end|>``.  ``bos_token``/``eos_token``/``pad_token`` are set on the wrapper.
-* ``tokenizer(text)`` never adds BOS or EOS (``add_bos_token=False``, ``add_eos_token=False``, no post-processor):
-  the tokenization layer adds them explicitly, so ``tokenizer(text).input_ids`` are the text's tokens only.
-* Chat template: every turn renders as ``<|role|>`` + content + ``<|end|>`` with no added whitespace, so the
-  assistant content renders as exactly the assistant text followed by ``<|end|>`` (not EOS).  With
-  ``add_generation_prompt=True`` the rendering ends with ``<|assistant|>``.  The template never emits BOS.  Because
-  special tokens are atomic and split the text before BPE runs, the tokens of
-  ``apply_chat_template(messages[:-1], add_generation_prompt=True)`` are an exact prefix of the tokens of
-  ``apply_chat_template(messages)``; the prompt side of an example is that prefix (plus the explicit BOS), and the
-  response side is ``tokenizer(response)`` followed by EOS.
+Deterministic for the same texts and settings; special tokens ``<|bos|>``, ``<|eos|>``, ``<|pad|>``, ``<|user|>``,
+``<|assistant|>``, ``<|system|>``, ``<|end|>`` (ids 0-6); ``tokenizer(text)`` never adds BOS or EOS, and the chat
+template renders ``<|role|>`` + content + ``<|end|>`` per turn, so a prompt's rendering is an exact token prefix of
+the whole conversation's.  Why, and how rows use it: docs/design.md, "Tiny base model"; :mod:`raycurate.data.tokenize`.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
-"""Composable curation (docs/design.md, "Composable curation"): ``pipeline: curate`` runs ``curate.steps`` in
-order, e.g. ``[dedup, bds, bridge]`` or ``[p2d, bridge]``, then one SFT on what they kept, and compares it with each
-step alone.
+"""Composable curation: ``pipeline: curate`` runs ``curate.steps`` in order (e.g. ``[dedup, reference]``,
+``[dedup, bds, bridge]``), then one SFT on what they kept, and compares it with each step alone.
 
-Design (docs/design.md, "Composable curation"):
-
-* **Pool.** Every step curates the ``selection`` split (BRIDGE's selection rows = the bilevel candidates = the P2D
-  pool here); the ``validation`` split is the trusted set of BDS (and dedup's reference), ``warmup`` is BRIDGE's.
-* **Score once, cut in order.** Each example-level step scores the *whole* pool once with its own stages (dedup:
-  ``curate_dedup``; bds: ``curate_bds`` on ``bilevel_candidate_rows``; p2d: ``p2d_heads`` / ``p2d_probe`` /
-  ``p2d_select``), and the composition applies them in order, each to the rows the previous one kept: dedup drops
-  the near-duplicates, a ranking step keeps the top ``keep_fraction`` of what it received
-  (:func:`raycurate.algorithms.composition.compose`).  The single-step arms reuse the same scores, so composition
-  and arm differ only in the composition.  ``bridge`` (last) scores and selects every pool row once at
-  ``bridge.rho_p`` / ``rho_r`` (BRIDGE's per-row selection does not depend on the other rows) and the composition
-  keeps the compacted rows it kept (``curate_rows``).
-* **Weights.** ``bds_mode: select`` (default) trains the kept rows unweighted; ``weight`` also writes their BDS
-  weights, renormalised to mean 1 over the kept rows, as the SFT ``weight`` column (the bds arm likewise).
-* **Matched token budget.** T = the response (loss-mask) tokens of ``curate_rows``.  With ``curate.compare`` each
-  step alone over the whole pool is cut to T: example-level steps take their top-ranked rows (dedup: undropped
-  rows first, in seeded random order) while the running total comes closest to T; BRIDGE alone re-selects from
-  the stored scores at ``rho_r = (T - fixed) / eligible`` over the pool (``curate_bridge_select``); ``random``
-  takes seeded random rows.  One-step compositions skip their own (identical) arm.
-* **Training.** Every arm is one full SFT from ``base_model`` with ``train`` (``train_curate``,
-  ``train_curate_<arm>``) and one held-out evaluation; ``results.composition`` records per arm the rows, response
-  tokens, clean share, score and the paired bootstrap CI of composition minus arm; report.html has the table.
-* **References.** With ``curate.compare`` on the embedded corpus the run also evaluates the base model and trains
-  ``mixed`` (SFT on the whole pool) and ``clean`` (SFT on the pool's clean rows), so its report says whether any
-  arm beats the base model and shows the oracle gap (clean minus mixed) and the share of it each arm closes.
+:func:`compose_pool` scores the whole ``selection`` pool once per step (:func:`score_step`; the trusted
+reference: :func:`reference_step`) and applies the steps in order
+(:func:`raycurate.algorithms.composition.compose`); :func:`matched_arms` / :func:`matched_bridge` cut each step
+alone to the composition's response-token budget; :func:`train_arms` trains and evaluates every arm (plus base,
+``mixed`` and ``clean`` references with ``curate.compare``) and :func:`record_composition` writes
+``results.composition``.  :func:`run_curate` is the pipeline, :func:`run_curate_in_demo` its demo part.
+Decisions (pool, score once, weights, matched budget, references): docs/design.md, "Composable curation".
 """
 
 from __future__ import annotations

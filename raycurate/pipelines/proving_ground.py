@@ -1,17 +1,12 @@
 """The proving ground: a pipeline (``proving_ground.pipeline``, default the whole demo) on several corpus seeds,
 every comparison pooled over them.
 
-Each seed runs that pipeline in ``<runs_dir>/<name>/seed-<seed>/`` (so each is an ordinary, resumable run with its
-own report); the base model is shared through its cache.  ``proving_ground.train_seeds`` repeats every corpus seed
-with other training seeds (``seed-<seed>-train-<t>/``), and with 3 or more runs each comparison also gets a
-t-interval over the runs' differences, which includes the training's own noise.  The summary
-(``proving_ground.json`` and ``report.html`` in ``<runs_dir>/<name>/``) has, per comparison, each seed's paired
-difference with its CI and the difference pooled over seeds (questions resampled within each seed): every fine-tuned
-model against the base model, the demo's methods against their baselines, and for ``pipeline: curate`` the
-composition against each arm and BDS alone against random rows at the matched token budget.  The top-level
-comparisons use the primary metric (sampled exact match when the runs sampled answers); ``by_metric`` holds the
-same summary for greedy and for sampled exact match, and the page states for each whether any fine-tuned arm beats
-the base model.
+:func:`run_proving_ground` runs each seed as an ordinary resumable run in ``<runs_dir>/<name>/seed-<seed>/``
+(``seed-<seed>-train-<t>/`` for each of ``proving_ground.train_seeds``), sharing the base model's cache;
+:func:`summarize_seeds` writes ``proving_ground.json`` and ``report.html``: per comparison each seed's paired
+difference and the difference pooled over seeds (and, with 3+ runs, a t-interval over runs), for the primary
+metric and, under ``by_metric``, for greedy and sampled exact match.  The HTML is
+:mod:`raycurate.report.proving_ground`; why seeds, pooling and replicates: docs/design.md, "The proving ground".
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
-"""``raycurate curate``: your own data in, a curated dataset out (``docs/design.md``, "Curating your own
-data").
-
-::
+"""``raycurate curate``: your own data in, a curated dataset out::
 
     raycurate curate --data rows.jsonl --trusted checked.jsonl --model /ckpt/llama --out curated/
 
-One flat recipe over the stages ``pipeline: curate`` runs (:func:`raycurate.pipelines.curate.compose_pool`):
-
-1. Check everything a user can get wrong before anything is written: the config (``--keep``, ``--steps``, the
-   ``key=value`` overrides), ``--data`` / ``--trusted`` / ``--heldout``, and ``--out`` (empty, or the outputs of
-   this very command, which then resumes; another run's outputs only with ``--force``).
-2. The run lives in ``<out>/run/`` (stage cache: a re-run skips every finished stage).  Every input row is curated:
-   split ``selection`` is the whole input (``{selection: 1.0}``), except with ``bridge``, whose warmup fine-tuning
-   needs rows of its own: ``data.split_ratios``' default warmup share goes there, and those rows are kept
-   uncurated (in ``curated.jsonl`` with their whole responses, counted in the summary as ``kept_uncurated``).
-   ``curate.compare`` is off (no ground truth to compare arms on).
-3. The outputs (:mod:`raycurate.stages.curated_outputs`), ``summary.json``, ``report.html`` and with ``--train``
-   ``model/`` are written into a temp folder in ``--out`` and renamed into place, ``summary.json`` last; files an
-   earlier run of another command left there (a ``model/`` this run did not train) are removed then.
-4. ``--train`` fine-tunes the base model on exactly the rows of ``curated.jsonl`` (their weights and kept spans);
-   ``--heldout`` (implies ``--train``) also trains on every accepted row and evaluates base / all rows / curated on
-   your questions: gold-response loss on all, exact match of the ``####`` answer on those whose response has one,
-   with 95% bootstrap intervals over the questions (one training seed).
+:func:`curate_folder` checks every input a user can get wrong first (:func:`check_inputs`, :func:`check_out`),
+runs ``pipeline: curate``'s selection (:func:`raycurate.pipelines.curate.compose_pool`) on the whole input in
+``<out>/run/`` (resumable), writes the outputs (:mod:`raycurate.stages.curated_outputs`, :func:`write_folder`,
+``summary.json`` last) and, with ``--train`` / ``--heldout``, trains on the curated rows
+(:func:`train_curated`) and compares base, all rows and curated (:func:`evaluate_models`).
+Decisions (splits, kept-uncurated warmup rows, atomic outputs, resume): docs/design.md, "Curating your own data".
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """"Did curation help?": each method against its matched baseline and the mixed corpus, with paired CIs.
 
-The held-out predictions of every evaluated model (``eval_<model>/predictions.parquet``) are joined on the question
-id, so every difference is paired: :func:`raycurate.algorithms.stats.paired_bootstrap_ci` resamples questions
-and keeps both models' scores on each.  The per-question score is the share of sampled answers that are right
-(``sampled_accuracy``) when the run sampled answers, else greedy exact match (``correct``); the verdicts at the top
-(does any fine-tuned model beat the base model, is there an oracle gap to close) are stated for greedy and sampled
-exact match separately (:func:`metric_block`), and a share of the oracle gap closed is only given when the oracle
-interval lies above 0.
-
-The same numbers are stored in the manifest (``results.curation``) by :func:`record_curation`, so ``raycurate
-inspect``, the seed loop of ``jobs/proving_ground.yaml`` and the closing notes read them without re-computing.
+Every evaluated model's held-out predictions are joined on the question id, so each difference is paired
+(:func:`raycurate.algorithms.stats.paired_bootstrap_ci`); the per-question score is the sampled accuracy when the
+run sampled answers, else greedy exact match.  :func:`curation_comparisons` builds the comparisons,
+:func:`metric_block` the per-metric verdicts (does any model beat the base model, is there an oracle gap, the share
+closed only when the oracle interval lies above 0), :func:`section_curation` the HTML, and :func:`record_curation`
+stores the same numbers as ``results.curation`` in the manifest for ``raycurate inspect`` and the proving ground.
+Why these metrics: docs/design.md, "The proving ground".
 """
 
 from __future__ import annotations

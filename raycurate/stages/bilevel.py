@@ -339,8 +339,7 @@ def mean_loss_task(model_dir: str, tokens_dir: str, batch_size: int = 16) -> dic
     """Mean per-example loss (masked mean over response tokens) of a model on a token table (a Ray task)."""
     import torch
 
-    from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import model_example_losses
+    from raycurate.algorithms.losses import model_example_losses, pad_rows
     from raycurate.models.loading import best_device, load_model, load_tokenizer
 
     device = best_device()

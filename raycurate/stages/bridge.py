@@ -22,7 +22,7 @@ from raycurate.stages.ray_data import resolve_pool
 from raycurate.stages.runtime import run_as_task
 
 if TYPE_CHECKING:
-    from raycurate.algorithms.bridge import SelectionSettings
+    from raycurate.algorithms.bridge.rows import SelectionSettings
 
 log = logging.getLogger("raycurate")
 
@@ -47,14 +47,14 @@ def compute_direction(theta_bar_dir: str, theta_old_dir: str, validation_tokens:
     safetensors.  Runs inside a Ray task (on a GPU when the cluster has one)."""
     from safetensors.torch import save_file
 
-    from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.token_utility import (
+    from raycurate.algorithms.bridge.token_utility import (
         anchor_direction,
         global_norm,
         scoring_direction,
         scoring_parameters,
         validation_gradient,
     )
+    from raycurate.algorithms.losses import pad_rows
     from raycurate.models.loading import best_device, load_model, load_tokenizer
 
     device = best_device()
@@ -104,7 +104,7 @@ def direction_stage(run: RunDir, *, warmup_stage: str, base_stage: str, validati
 
 def selection_settings(bridge_cfg: BridgeConfig) -> SelectionSettings:
     """The pure-algorithm settings mirrored from the BRIDGE config."""
-    from raycurate.algorithms.bridge import SelectionSettings
+    from raycurate.algorithms.bridge.rows import SelectionSettings
 
     names = {f.name for f in dataclasses.fields(SelectionSettings)}
     return SelectionSettings(**{k: getattr(bridge_cfg, k) for k in names})
@@ -150,12 +150,12 @@ SCORE_COLUMNS = ("score_utility", "score_utility_scale", "score_routing", "score
 def score_table(batch: Any, scores: list[Any], dtype: str) -> Any:
     """Append the ``score_*`` columns of :data:`SCORE_COLUMNS` to a batch: per row the response-side utilities
     (r,), the routing weights A_p flattened row-major (r * p), the history mass c (r,) and the optional knock-out
-    prompt scores (n,), each stored as ``list<dtype>`` with a float32 scale (:func:`raycurate.algorithms.bridge.
+    prompt scores (n,), each stored as ``list<dtype>`` with a float32 scale (:func:`raycurate.algorithms.bridge.rows.
     quantize`)."""
     import numpy as np
     import pyarrow as pa
 
-    from raycurate.algorithms.bridge import quantize
+    from raycurate.algorithms.bridge.rows import quantize
 
     value_type = pa.float16() if dtype == "float16" else pa.float32()
     columns: dict[str, tuple[list, list]] = {name: ([], []) for name in ("utility", "routing", "history", "prompt")}
@@ -177,8 +177,8 @@ def score_table(batch: Any, scores: list[Any], dtype: str) -> Any:
 
 
 def scores_from_table(table: Any) -> list[Any]:
-    """The :class:`raycurate.algorithms.bridge.RowScores` of every row of a table written by :func:`score_table`."""
-    from raycurate.algorithms.bridge import RowScores, dequantize
+    """The :class:`~raycurate.algorithms.bridge.rows.RowScores` of each row of a table from :func:`score_table`."""
+    from raycurate.algorithms.bridge.rows import RowScores, dequantize
 
     def column(name: str) -> list:
         col = table[f"score_{name}"].combine_chunks()
@@ -207,7 +207,7 @@ class BridgeScoreUDF:
         import torch
         from safetensors.torch import load_file
 
-        from raycurate.algorithms.routing import default_routing_layer
+        from raycurate.algorithms.bridge.routing import default_routing_layer
         from raycurate.models.loading import best_device, load_model, load_tokenizer
 
         torch.set_num_threads(max(1, threads))
@@ -223,7 +223,7 @@ class BridgeScoreUDF:
         self.score_dtype = score_dtype
 
     def __call__(self, batch: Any) -> Any:
-        from raycurate.algorithms.bridge import score_rows
+        from raycurate.algorithms.bridge.rows import score_rows
 
         rows = batch.select(SELECT_INPUT_COLUMNS).to_pylist()
         scores = score_rows(self.model, self.direction, self.layer, rows, self.settings, pad_id=self.pad_id,
@@ -239,7 +239,7 @@ class BridgeSelectUDF:
         self.settings = settings
 
     def __call__(self, batch: Any) -> Any:
-        from raycurate.algorithms.bridge import select_rows
+        from raycurate.algorithms.bridge.rows import select_rows
 
         rows = batch.select(SELECT_INPUT_COLUMNS).to_pylist()
         results = select_rows(rows, scores_from_table(batch), self.settings)
@@ -350,13 +350,13 @@ CORPUS_BUDGET_COLUMNS = ("loss_mask", "b_r", "supervised_response", "closure_fal
 def apply_corpus_budget(selection_dir: Path, settings: SelectionSettings) -> dict:
     """``bridge.budget = corpus``: re-allocate the response budget of the per-example selections in
     ``selection_dir`` (every part, rewritten in place) over the whole corpus by their stored conditional response
-    scores (:func:`raycurate.algorithms.bridge.corpus_response_masks`).  Runs in the driver after the shards:
+    scores (:func:`raycurate.algorithms.bridge.rows.corpus_response_masks`).  Runs in the driver after the shards:
     the allocation needs every row's scores (one float32 per eligible response token)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raycurate.algorithms.bridge import corpus_response_masks
+    from raycurate.algorithms.bridge.rows import corpus_response_masks
 
     parts = sorted(Path(selection_dir).glob("*.parquet"))
     tables = [pq.read_table(part) for part in parts]
@@ -399,7 +399,7 @@ def selection_summary(selection_dir: Path) -> dict:
     """Realised budgets, U_sur per schedule, closure coverage and prompt-relevance drops over a selection table."""
     import numpy as np
 
-    from raycurate.algorithms.bridge import prompt_relevance_drops
+    from raycurate.algorithms.bridge.rows import prompt_relevance_drops
 
     rows = read_token_rows(selection_dir)
     if not rows:

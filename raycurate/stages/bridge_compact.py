@@ -27,7 +27,7 @@ def compact_part(table: Any, prefix: str) -> tuple[Any, dict]:
     import numpy as np
     import pyarrow as pa
 
-    from raycurate.algorithms.compaction import compact_table_rows
+    from raycurate.algorithms.bridge.compaction import compact_table_rows
 
     rows = table.to_pylist()
     masks = {r["id"]: (np.asarray(r[f"{prefix}_prompt_keep"], dtype=bool), np.asarray(r[f"{prefix}_loss_mask"],
@@ -79,8 +79,8 @@ BASELINES = ("random", "rho1", "token_cleaning", "independent", "sequential")
 
 def random_baseline_columns(rows: list[dict], bridge_cfg: BridgeConfig) -> dict[str, list]:
     """Random masks with BRIDGE's budgets (matched ratios), seeded per (seed, example id)."""
-    from raycurate.algorithms.bridge import fixed_masks
-    from raycurate.algorithms.token_baselines import example_rng, random_masks
+    from raycurate.algorithms.bridge.rows import fixed_masks
+    from raycurate.algorithms.bridge.token_baselines import example_rng, random_masks
 
     keep, loss = [], []
     for r in rows:
@@ -124,7 +124,7 @@ class TokenLossUDF:
 
 def token_cleaning_row_scores(base: Any, reference: Any, rows: list[dict], pad_id: int) -> list[list[float]]:
     """Token Cleaning scores ``l_base - l_ref`` over every position of each row (0 outside the loss mask)."""
-    from raycurate.algorithms import token_baselines as tb
+    from raycurate.algorithms.bridge import token_baselines as tb
 
     losses = row_token_losses({"base": base, "reference": reference}, rows, pad_id)
     out = []
@@ -142,8 +142,8 @@ def token_cleaning_global_columns(rows: list[dict], scores: list[list[float]], r
     Returns:
         ``{"prompt_keep": [...], "loss_mask": [...]}`` int8 lists per row, in the order of ``rows``.
     """
-    from raycurate.algorithms import token_baselines as tb
-    from raycurate.algorithms.bridge import fixed_masks
+    from raycurate.algorithms.bridge import token_baselines as tb
+    from raycurate.algorithms.bridge.rows import fixed_masks
 
     prompt_lens, bos, fixed_p, fixed_r = [], [], [], []
     for r in rows:
@@ -173,8 +173,7 @@ def row_token_losses(models: dict[str, Any], rows: list[dict], pad_id: int, *, w
     """
     import torch
 
-    from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import model_token_losses
+    from raycurate.algorithms.losses import model_token_losses, pad_rows
 
     out = {}
     for name, model in models.items():
@@ -194,7 +193,7 @@ def loss_baseline_columns(method: str, base: Any, reference: Any, rows: list[dic
       one-sided matched budget of App. B.2.  (``token_cleaning`` ranks the same score over the whole corpus:
       :func:`token_cleaning_row_scores` + :func:`token_cleaning_global_columns`; here it is ranked per row.)
     * ``independent``: prompt tokens by base-model surprisal (the offline LLMLingua stand-in, see
-      :mod:`raycurate.algorithms.token_baselines`) and response tokens by Token Cleaning scores, both on the full
+      :mod:`raycurate.algorithms.bridge.token_baselines`) and response tokens by Token Cleaning scores, both on the full
       example, at BRIDGE's per-side budgets ("LLM+TC (Ind.)").
     * ``sequential``: the same prompt selection first, then Token Cleaning scores recomputed on the compacted row
       ("LLM -> TC (Seq.)").
@@ -202,8 +201,8 @@ def loss_baseline_columns(method: str, base: Any, reference: Any, rows: list[dic
     Returns:
         ``{"prompt_keep": [...], "loss_mask": [...]}`` int8 lists per row.
     """
-    from raycurate.algorithms import token_baselines as tb
-    from raycurate.algorithms.bridge import fixed_masks
+    from raycurate.algorithms.bridge import token_baselines as tb
+    from raycurate.algorithms.bridge.rows import fixed_masks
 
     models = {"base": base, "reference": reference}
     losses = row_token_losses(models, rows, pad_id)
@@ -237,8 +236,8 @@ def _compacted_rescorer(models: dict[str, Any], row: dict, pad_id: int) -> Any:
     """``prompt_keep -> Token Cleaning scores`` of ``row`` recomputed with only the kept prompt tokens in context."""
     import numpy as np
 
-    from raycurate.algorithms.compaction import compact_example
-    from raycurate.algorithms.token_baselines import response_scores
+    from raycurate.algorithms.bridge.compaction import compact_example
+    from raycurate.algorithms.bridge.token_baselines import response_scores
 
     def rescore(prompt_keep: np.ndarray) -> np.ndarray:
         n = len(row["input_ids"])

@@ -32,9 +32,9 @@ def run_diagnostics(model_dir: str, direction_path: str, selection_dir: str, *, 
     import torch
     from safetensors.torch import load_file
 
-    from raycurate.algorithms.bridge import fixed_masks
-    from raycurate.algorithms.fidelity import example_fidelity, fidelity_table, mean_ranking_shift, ranking_shift
-    from raycurate.algorithms.selection import eligible_positions
+    from raycurate.algorithms.bridge.fidelity import example_fidelity, fidelity_table, mean_ranking_shift, ranking_shift
+    from raycurate.algorithms.bridge.rows import fixed_masks
+    from raycurate.algorithms.bridge.selection import eligible_positions
     from raycurate.models.loading import best_device, load_model
     from raycurate.stages.bridge import read_token_rows
 

@@ -1,21 +1,10 @@
-"""What ``raycurate curate`` hands back: the curated records, the dropped rows with their reasons, every row's scores
-and the rejected rows, written into a folder from a finished curate run (``docs/design.md``, "Curating your own
-data").
+"""What ``raycurate curate`` hands back, written from a finished curate run (no Ray: parquet, jsonl, the input files).
 
-* ``curated.jsonl``: each kept input record exactly as it was in the input file (re-read from its file and line, so
-  types, absent keys and nested values survive; a parquet round trip would not keep them), plus ``id`` when the
-  record had none (its generated content-hash id; ``raycurate_id`` beside an ``id: null``), ``weight`` (the SFT
-  weight) and, after a token-level step, ``kept_response_spans`` (``[[start, end], ...]`` character spans of the
-  response tokens that keep their loss; after ``bridge`` also ``kept_prompt_spans``).  An input field that already
-  has one of these names keeps it: the added value is then written as ``raycurate_<name>``.
-* ``dropped.jsonl``: per dropped row ``id``, ``step``, ``reason`` (plain words), ``score`` (the step's ranking
-  score, higher = kept; null for dedup), ``rank`` (among the rows the step received; null for dedup), ``source`` and
-  ``line``.
-* ``scores.parquet``: one row per accepted input row: outcome, the step that dropped it, weight, and every score
-  each step computed for it (steps score the whole pool once).
-* ``rejected.jsonl``: the run's rejected rows (ingest and tokenization) with their reasons, as the run wrote them.
-
-No Ray here: these read the run's stage outputs (parquet, jsonl) and the input files.
+:func:`write_outputs` writes ``curated.jsonl`` (each kept record re-read from its file and line by
+:func:`original_records`, plus the added fields of :func:`added_names`), ``dropped.jsonl`` (step, reason in words
+from :func:`drop_reason`, score, rank, source, line), ``scores.parquet`` (every accepted row's outcome and every
+score each step computed) and ``rejected.jsonl`` (:func:`copy_rejected`); :func:`copy_model` links a ``--train``
+model.  Field by field, and why the records are re-read: docs/design.md, "Curating your own data".
 """
 
 from __future__ import annotations

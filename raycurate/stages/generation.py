@@ -1,29 +1,12 @@
-"""Generation actors for BMO online self-refining: G responses per masked question from the current policy
-(docs/bilevel.md).
+"""Generation actors for BMO online self-refining: G responses per masked question from the current policy.
 
-Two actors share one interface, ``generate(requests, *, adapter_dir, n, temperature, max_new_tokens, step, seed)``
--> rows ``{question_id, sample, response_ids, token_logprobs, logprob, finished, step, policy}``:
-
-* :class:`HFGenerationActor` (CPU, or a GPU when the actor is given one): the base model is loaded once; a PEFT
-  LoRA adapter directory is injected per call with ``PeftModel.from_pretrained`` and removed with ``unload()``
-  before the next one, so adapters never stack; a full HF checkpoint directory replaces the base model for that
-  call.  Sampling is :func:`raycurate.models.sampling.sample_responses`.
-* :class:`VLLMGenerationActor` (GPU): one ``vllm.LLM`` with ``enable_lora=True``; each adapter *version* gets its
-  own ``LoRARequest`` id, because vLLM caches adapters by id and would keep serving stale weights if a trainer
-  rewrote the same directory under the same id.  ``logprobs_mode="raw_logprobs"`` makes vLLM return
-  ``log_softmax`` of the raw logits, the same temperature-1 policy log-probs as the HF actor.
-
-Decisions:
-
-* ``token_logprobs`` are ``log pi_old(y_t | x, y_<t)`` at temperature 1 (see :mod:`raycurate.models.sampling`):
-  the importance weight ``r = pi_theta / pi_old`` compares the policy with itself, not with the tempered sampler.
-* Each request's sampler is seeded with ``derive_seed(seed, step, question_id)`` (a SHA-256 of the parts), so a
-  question's responses do not depend on which actor served it or on what else was in the batch.
-* :class:`GenerationPool` picks the backend (``auto``: vLLM iff the cluster has a GPU and vllm is importable),
-  splits the requests contiguously over its actors and returns rows sorted by ``(question_id, sample)``.  Actors
-  are restarted on a crash (``max_restarts``) and their calls retried (``max_task_retries``); a call is stateless
-  (the adapter is named in every call), so a retry on a fresh actor gives the same rows.
-* Adapter and checkpoint directories must be readable by every actor (a shared filesystem on a cluster).
+:class:`HFGenerationActor` (CPU or GPU; PEFT adapter injected per call, sampling by
+:func:`raycurate.models.sampling.sample_responses`) and :class:`VLLMGenerationActor` (GPU; one ``LoRARequest`` id
+per adapter version, ``raw_logprobs``) share ``generate(requests, *, adapter_dir, n, temperature, max_new_tokens,
+step, seed)`` -> rows ``{question_id, sample, response_ids, token_logprobs, logprob, finished, step, policy}``.
+:class:`GenerationPool` picks the backend (:func:`resolve_backend`), splits requests over its actors and sorts
+the rows; :func:`write_generations` stores them.  Log-probs at temperature 1, per-question seeds, restarts and
+stateless calls: docs/bilevel.md, "Generation", "Generation actors" and "Log-probs".
 """
 
 from __future__ import annotations

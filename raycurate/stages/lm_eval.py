@@ -1,23 +1,11 @@
 """lm-eval on a checkpoint: named harness tasks and local YAML tasks over the embedded held-out set.
 
-Decisions:
-
-* The model is loaded with :func:`raycurate.models.loading.load_model` and handed to lm-eval as
-  ``HFLM(pretrained=model, tokenizer=tok)``; nothing is ever downloaded.  :func:`force_offline` sets
-  ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1`` and also flips the flags that ``huggingface_hub`` and
-  ``datasets`` froze at import time, so a reused Ray worker cannot wait on network timeouts.
-* Named harness tasks (``arc_challenge``, ``hellaswag``, ``mmlu``, ``humaneval``, ``gsm8k``, ``minerva_math``,
-  ``ifeval`` ...) read their datasets from the local Hugging Face cache.  They are loaded one by one before the
-  model is (offline, a missing dataset fails in milliseconds), and a missing one raises
-  :class:`BenchmarkDataMissing` naming the task, its dataset and how to provide it.
-* Local tasks (:func:`write_local_tasks`): ``raycurate_heldout_em`` generates greedily and scores exact match of
-  the final ``####`` answer (:func:`raycurate.algorithms.eval_summary.heldout_exact_match`);
-  ``raycurate_heldout_gold_ll`` scores the gold response's log-likelihood given the question.  The question is
-  rendered with the model's chat template as one user turn, with BOS first as in training
-  (:mod:`raycurate.data.tokenize`), so the prompt tokens equal those of the held-out evaluation stage.
-  Named tasks run without the chat template unless asked (the papers evaluate base models that way).
-* Results come back flat: ``"<task>/<metric>"`` (``"/<filter>"`` appended unless lm-eval's filter is ``none``),
-  plus ``"<task>/samples"``; non-numeric entries are dropped.
+:func:`lm_eval_stage` / :func:`run_lm_eval` hand a model loaded by :func:`raycurate.models.loading.load_model` to
+lm-eval as ``HFLM(pretrained=model, tokenizer=tok)`` after :func:`force_offline`; :func:`load_named_tasks` loads
+each named task's dataset from the local HF cache before the model (a missing one raises
+:class:`BenchmarkDataMissing`); :func:`write_local_tasks` writes ``raycurate_heldout_em`` and
+``raycurate_heldout_gold_ll`` (scored by :mod:`raycurate.algorithms.eval_summary`, prompts rendered as in training);
+:func:`flatten_results` returns ``"<task>/<metric>[/<filter>]"`` numbers.  Decisions: docs/tune_eval.md.
 """
 
 from __future__ import annotations

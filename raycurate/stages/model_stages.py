@@ -208,8 +208,7 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], *, max_length: i
     """
     import torch
 
-    from raycurate.algorithms.bridge import pad_rows
-    from raycurate.algorithms.losses import model_example_losses
+    from raycurate.algorithms.losses import model_example_losses, pad_rows
     from raycurate.data.answers import answers_match, equation_counts, extract_final_answer
     from raycurate.data.tokenize import is_rejection, tokenize_record
     from raycurate.models.generation import generate_greedy

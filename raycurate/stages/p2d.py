@@ -23,7 +23,7 @@ from raycurate.stages.rows import clean_labels, corruption_kinds, precision, sco
 from raycurate.stages.runtime import run_as_task
 
 if TYPE_CHECKING:
-    from raycurate.algorithms.head_scoring import Method
+    from raycurate.algorithms.p2d.head_scoring import Method
 
 log = logging.getLogger("raycurate")
 
@@ -42,7 +42,7 @@ def score_heads_task(base_dir: str, proxy_dir: str, out_path: str, *, ratio: flo
     """
     import torch
 
-    from raycurate.algorithms.head_scoring import heads_table, score_heads, select_heads
+    from raycurate.algorithms.p2d.head_scoring import heads_table, score_heads, select_heads
     from raycurate.models.heads import layer_head_vectors
     from raycurate.models.loading import head_geometry
 
@@ -164,7 +164,7 @@ def probe_plan(ids: list[str], p2d_cfg: P2DConfig, query_ids: list[str] | None =
         ids: The pool (every id a counted demonstration ``p2d.rounds`` times).
         query_ids: The trusted rows the queries are drawn from; None: from the pool (the paper's protocol).
     """
-    from raycurate.algorithms.icl_probe import icl_rounds
+    from raycurate.algorithms.p2d.icl_probe import icl_rounds
 
     prompts = icl_rounds(len(ids), p2d_cfg.rounds, demos_per_prompt=p2d_cfg.demos,
                          queries_per_prompt=p2d_cfg.queries, seed=p2d_cfg.seed,
@@ -192,10 +192,10 @@ def probe_prompt(layout: Any, instruction: list[int], demo_rows: list[dict], que
         query_rows: Token rows whose prompt is a query and whose response is its gold answer.
 
     Returns:
-        ``(assembled, queries)``: :func:`raycurate.algorithms.icl_probe.assemble_prompt`'s dict, and per query its
+        ``(assembled, queries)``: :func:`raycurate.algorithms.p2d.icl_probe.assemble_prompt`'s dict, and per query its
         ``(prompt ids, answer ids)`` without the sequence lead.
     """
-    from raycurate.algorithms.icl_probe import assemble_prompt
+    from raycurate.algorithms.p2d.icl_probe import assemble_prompt
     from raycurate.data.chat_layout import split_row
 
     demos = [sum(split_row(r, layout), []) for r in demo_rows]
@@ -262,7 +262,7 @@ class IclProbeUDF:
         """One ICL prompt: assemble, one forward with attention on the selected layers, score the queries."""
         import torch
 
-        from raycurate.algorithms.icl_probe import demo_attention_weights
+        from raycurate.algorithms.p2d.icl_probe import demo_attention_weights
 
         assembled, queries = probe_prompt(self.layout, self.instruction, [self.rows[i] for i in prompt["demos"]],
                                           [self.rows[i] for i in prompt["queries"]])
@@ -283,7 +283,7 @@ class IclProbeUDF:
     def _query_scores(self, logits: Any, assembled: dict, queries: list[tuple[list[int], list[int]]]) -> list[float]:
         import torch
 
-        from raycurate.algorithms.icl_probe import answer_token_logprobs, gold_loglik_score
+        from raycurate.algorithms.p2d.icl_probe import answer_token_logprobs, gold_loglik_score
 
         if self.query_score == "loglik":
             ids = torch.tensor(assembled["input_ids"])
@@ -292,7 +292,7 @@ class IclProbeUDF:
         return self._generated_scores(assembled, queries)
 
     def _generated_scores(self, assembled: dict, queries: list[tuple[list[int], list[int]]]) -> list[float]:
-        from raycurate.algorithms.icl_probe import rouge_l_f1
+        from raycurate.algorithms.p2d.icl_probe import rouge_l_f1
         from raycurate.data.answers import answers_match, extract_final_answer
         from raycurate.models.generation import generate_greedy
         from raycurate.stages.model_stages import stop_token_ids
@@ -370,7 +370,7 @@ def probe_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, he
 def example_scores(ids: list[str], probes: list[dict], query_baseline: str = "none") -> Any:
     """s_final per pool example (order of ``ids``): mean over its demonstration appearances of s^(k) w^(k), with
     s^(k) centred per query under ``query_baseline: query_mean``."""
-    from raycurate.algorithms.icl_probe import aggregate_example_scores, query_centred_scores
+    from raycurate.algorithms.p2d.icl_probe import aggregate_example_scores, query_centred_scores
 
     index = {example_id: i for i, example_id in enumerate(ids)}
     prompt_scores = [p["score"] for p in probes]
@@ -408,7 +408,7 @@ def select_stage(run: RunDir, stage: str, *, pool_stage: str, probe_stage_name: 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raycurate.algorithms.icl_probe import select_top
+    from raycurate.algorithms.p2d.icl_probe import select_top
 
     def body(out: Path) -> StageOutput:
         ids = token_ids(run, pool_stage)
@@ -477,9 +477,8 @@ class IfdUDF:
         import pyarrow as pa
         import torch
 
-        from raycurate.algorithms.bridge import pad_rows
         from raycurate.algorithms.ifd import ifd_scores
-        from raycurate.algorithms.losses import model_example_losses
+        from raycurate.algorithms.losses import model_example_losses, pad_rows
         from raycurate.data.chat_layout import response_alone
 
         require_columns(self.stage, batch, self.REQUIRED_COLUMNS)

@@ -1,18 +1,11 @@
 """Ray start-up and resource arithmetic shared by every stage.
 
-Decisions (documented in ``docs/ray.md``):
-
-* ``init_ray(address=None)`` starts a local Ray instance (dashboard off) or connects to ``address``
-  (``"auto"`` inside a ``ray job submit`` job).  ``None`` passes ``address="local"`` to Ray: Ray's own ``None``
-  joins whatever ``/tmp/ray/ray_current_cluster`` names (a ``ray start`` left running, or a stale file), and
-  then refuses ``num_cpus`` with a ValueError.  ``$RAY_ADDRESS`` still wins, as Ray's convention has it.
-  Token authentication stays at Ray's default: a local cluster uses token mode and Ray keeps the token at
-  ``~/.ray/auth_token`` (or ``$RAY_AUTH_TOKEN_PATH``).  Never disable it (``RAY_AUTH_MODE=disabled``) on a
-  reachable machine unless a firewall keeps Ray's ports private (``docs/ray.md``).
-* Ray's session files go to ``temp_dir`` when given, else Ray's default ``/tmp/ray``.
-* Actor pools never ask for a whole CPU per actor on small machines: on a 2-CPU node an actor pool of
-  1-CPU actors starves the read tasks and the pipeline deadlocks.  :func:`actor_cpus` hands out fractions that keep
-  one whole CPU free.
+:func:`init_ray` starts a local Ray instance (``address=None``, passed to Ray as ``"local"``) or joins
+``address``, with session files under ``temp_dir`` and Ray's default token authentication;
+:func:`cluster_cpus` / :func:`cluster_gpus` read the cluster, :func:`run_as_task` runs a function as one Ray task,
+and :func:`actor_cpus` sizes actors in CPU fractions that keep one whole CPU free for Ray Data's read tasks.  Why
+each (a stale ``ray_current_cluster``, never disabling auth on a reachable machine, the 2-CPU deadlock):
+docs/ray.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Ray Tune mechanics for ``raycurate tune``: search space, scheduler, the Tuner, and the trial results.
 
-The trial body is injected by the caller (``raycurate.pipelines.sweep``), so this module never imports a pipeline.
-Decisions (Ray 2.60, Train V2):
-
-* The trainable is a *function* that runs a whole pipeline; a ``TorchTrainer`` is never handed to the Tuner (Train
-  V2 rejects it).  The trial's own process reserves only ``trial_cpus`` (0.01 by default) and starts the pipeline
-  as a child driver process on the same cluster (:func:`run_job_process`): tasks started from inside the trial
-  would be captured by its placement group and could not get the CPUs their Ray Data pools need, while the
-  child's stages (Ray Data pools, Ray Train workers) reserve their own resources from the cluster.
-* Trials run one at a time (``max_concurrent_trials=1``) in one shared run directory, so each trial re-runs only the
-  stages whose config its parameters change and reuses everything upstream from the cache.
-* ASHA: a trial reports once per rung; rung k trains the final models to k x ``rung_steps`` steps (the training
-  stage extends the previous rung's checkpoint), evaluates, and reports ``rung = k``.
+The trial body is injected by the caller (:mod:`raycurate.pipelines.sweep`), so this module never imports a
+pipeline.  :func:`search_space` and :func:`asha_scheduler` build the Tune objects, :func:`run_tuner` runs the trials
+one at a time in one shared run directory, :func:`run_job_process` starts a trial's pipeline as a child driver
+process (so its stages reserve their own resources), and :func:`report` sends one ASHA rung's result.  Why a
+function trainable, sequential trials and rungs that extend training: docs/tune_eval.md.
 """
 
 from __future__ import annotations

@@ -79,9 +79,8 @@ def warmup_lora(model: Any, rows: list[dict], *, pad_id: int, epochs: int, lr: f
     import numpy as np
     import torch
 
-    from raycurate.algorithms.bridge import pad_rows
     from raycurate.algorithms.less import trainable_named
-    from raycurate.algorithms.losses import model_example_losses
+    from raycurate.algorithms.losses import model_example_losses, pad_rows
 
     params = [p for _, p in trainable_named(model)]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # LESS trains with HF's default decay 0

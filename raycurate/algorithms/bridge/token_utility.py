@@ -1,45 +1,12 @@
-"""BRIDGE validation-directed token utilities (paper §4.2, App. A.1; docs/bridge.md), pure torch.
+"""BRIDGE validation-directed token utilities (paper §4.2, App. A.1), pure torch.
 
-The scoring direction lives on the parameters of the final ``L`` transformer layers (default 4):
-
-    v = (1 - lam) g_target / (||g_target|| + eps) + lam g_anchor / (||g_anchor|| + eps),
-
-with ``g_target`` the gradient of the mean validation loss at the scoring checkpoint theta_bar and
-``g_anchor = theta_bar - theta_old``; both norms are taken over the whole restricted parameter set.  The utility
-of response token ``t`` of an example is the directional derivative of its loss along ``v``:
-
-    a_t = d/de l_t(theta_bar + e v) |_{e=0} = v . grad l_t.
-
-Sign convention (docs/bridge.md, followed literally; paper App. A.1): a descent step on the selected token losses,
-phi+ = phi_bar - eta G_S, changes the validation-directed objective Psi by -eta v.G_S + O(eta^2), so a token with
-**large positive** ``a_t`` is useful: descending on its loss descends on the validation loss and, through the
-anchor term (the gradient of the L2 retention prior 1/2 ||theta - theta_old||^2 at theta_bar), pulls back towards
-theta_old.  BRIDGE keeps the highest scores (Top-b); negative utilities mark tokens whose loss works against the
-validation direction.
-
-:func:`token_utilities` computes ``a_t`` for every supervised position of a batch in one forward-mode pass.
-For Llama / Qwen2 / Mistral decoder layers (transformers >= 5, SiLU MLP, a direction on layer weights and biases)
-the pass uses hand-written rules (:mod:`raycurate.algorithms.dual_layers`: RMSNorm, rotary GQA attention and
-SwiGLU carry the tangent beside the hidden states, each linear reads ``[x; dx]`` in one matmul, and the last layer
-computes only the positions that predict a supervised token): ~2.5 forwards at L = 4 of 4 on the tiny model where
-the generic path below took ~4.6.  ``token_utilities(..., hand_written=False)`` and every other model take the
-generic path, which the rules are tested against: the restricted parameters are swapped into the model as dual
-tensors (``torch.autograd.forward_ad`` + ``torch.func.functional_call``); nothing else carries a tangent.
-``torch.func.jvp`` gives the same numbers but measured ~1.4x slower on the tiny model (its functorch wrapper
-layer), so the lower-level API is used.  Torch
-2.13's fused CPU SDPA kernel has no forward-mode AD formula (``NotImplementedError: Trying to use forward AD with
-_scaled_dot_product_flash_attention_for_cpu``), so the decoder layers that carry a tangent run SDPA through its
-composite ``MATH`` backend (``torch.nn.attention.sdpa_kernel``), which decomposes into matmul/softmax and is
-differentiable in forward mode on every device; the layers before the first one with a tangent keep the fused
-kernel.  Attention implementations that do not go through SDPA or eager (e.g. flash_attention_2) are temporarily
-switched to ``eager``.  :func:`reference_token_utilities` is the slow per-token backward loop used only
-by tests and benchmarks.
-
-The loss layer has a hand-written tangent on both paths (:func:`dual_layers.loss_tangents_from_hidden`): when the
-logits are plainly ``h W^T`` (a bias-free LM head outside the direction, no logit scale or soft-capping, as in
-Llama/Qwen2/Mistral), only the decoder carries a tangent, and the tangent of ``l_t = logsumexp(z_t) - z_t[y_t]`` is
-``dh_t . ((softmax(z_t) - onehot(y_t)) W)``: one (N, V) x (V, H) matmul instead of a dual (B, W, V) logit tensor
-and the forward-mode log-softmax over it.  Other heads keep the generic path.
+The direction ``v = (1 - lam) g_target / ||g_target|| + lam g_anchor / ||g_anchor||`` lives on the last ``L``
+decoder layers (:func:`scoring_parameters`, :func:`validation_gradient`, :func:`anchor_direction`,
+:func:`scoring_direction`); a response token's utility is ``a_t = v . grad l_t``, large positive = useful (BRIDGE
+keeps the highest).  :func:`token_utilities` computes every supervised position's ``a_t`` in one forward-mode pass:
+the hand-written rules of :mod:`.dual_layers` for Llama / Qwen2 / Mistral layers, ``torch.autograd.forward_ad``
+otherwise.  :func:`knockout_prompt_scores` is the ``knockout_grad`` prompt proxy; :func:`reference_token_utilities`
+the per-token backward loop tests compare against.  Sign, paths and costs: docs/bridge.md, "Utilities".
 """
 
 from __future__ import annotations
@@ -52,7 +19,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from raycurate.algorithms.dual_layers import (
+from raycurate.algorithms.bridge.dual_layers import (
     DualPlan,
     decoder_layers,
     patched_dual_layers,
@@ -385,7 +352,7 @@ def token_utilities(
 def _hand_written_window_tangent(model: nn.Module, plan: DualPlan, head: nn.Linear, input_ids: torch.Tensor,
                                  attention_mask: torch.Tensor, window_ids: torch.Tensor, window_mask: torch.Tensor,
                                  rows: slice) -> torch.Tensor | None:
-    """(B, W) loss tangents of the window through :mod:`raycurate.algorithms.dual_layers` (None: no tangent).
+    """(B, W) loss tangents of the window through :mod:`raycurate.algorithms.bridge.dual_layers` (None: no tangent).
 
     ``rows`` are the positions that predict ``window_ids[:, 1:]``; the last layer computes only those.
     """
@@ -508,7 +475,7 @@ def knockout_prompt_scores(
     scores of key ``i``, :class:`raycurate.models.loading.key_log_scales`); ``s_i = 0`` knocks token ``i`` out of
     attention, so ``-score_i`` is the first-order change of the weighted utility sum when token ``i`` is knocked
     out, the derivative counterpart of the exact leave-one-out ``Delta_p^exact(i | S_r) = sum_{j in S_r}
-    [a_j(P) - a_j(T_i(P))]`` (:mod:`raycurate.algorithms.fidelity`).  Large positive = the prompt token supports
+    [a_j(P) - a_j(T_i(P))]`` (:mod:`raycurate.algorithms.bridge.fidelity`).  Large positive = the prompt token supports
     useful response tokens.  ``sum_t w_t a_t = v . grad (sum_t w_t l_t)`` is formed by one backward pass with
     ``create_graph`` (gradients w.r.t. the direction's parameters only), and its derivative w.r.t. ``log s`` by ONE
     more reverse pass (a Hessian-vector-product pattern), so every prompt token of every example is scored at once

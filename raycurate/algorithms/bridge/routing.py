@@ -1,25 +1,11 @@
-"""BRIDGE attention routing weights and interaction terms (paper §4.3, App. B.3; docs/bridge.md), pure torch.
+"""BRIDGE attention routing weights and interaction terms (paper §4.3, App. B.3), pure torch.
 
-Positions follow the token-level row contract: an example of ``n`` real tokens has its prompt side at positions
-``[0, p)`` (``p = prompt_len``, BOS at 0) and its response side at ``[p, n)`` (EOS at ``n - 1``).  Response token
-``j`` (``j = 0 .. r - 1``, ``r = n - p``) is the token at position ``t_j = p + j``.
-
-Definitions (paper App. B.3, which overrides the looser wording "input position" in the brief):
-
-* The query row of response token ``j`` is its **input position** ``t_j`` -- the position where ``r_j`` is fed to
-  the model -- "rather than the preceding position whose logits predict r_j" (App. B.3).  So the row is
-  ``attn[:, t_j, :]``, not ``attn[:, t_j - 1, :]``.
-* Each head's softmax runs over all unmasked causal keys, the current token itself included; the rows are
-  averaged over heads and never renormalised, so ``A_p[j].sum() + (history mass) + (self weight) = 1``.
-* ``A_p[j, i]`` = head-averaged weight from query ``t_j`` to prompt key ``i`` (``0 <= i < p``; BOS is column 0).
-* ``c[j] = sum_{j' < j} A_h[j, j']``: weight on the earlier response keys ``p .. t_j - 1``.  "Self" is the key at
-  ``t_j`` (the query's own position, i.e. ``r_j`` itself); it is in the softmax but excluded from ``c``
-  ("the history term sums only positions j' < j, excluding self-attention", App. B.3).  ``c[0] = 0``.
-
-Rows cover every response position including EOS, and columns every prompt position including BOS; which of them
-are eligible for the budgets (BOS kept and EOS supervised are fixed; docs/bridge.md) is the selection's business, so
-fixed positions are not dropped here.  Interaction terms (§4.3): ``beta[i, j] = A_p[j, i] a_j`` and
-``gamma[j] = a_j c_j`` with ``a_j`` the utility of response token ``j`` (``a[p + j]`` of the (T,) utility row).
+:func:`routing_weights` / :func:`routing_weights_batch` give per response token ``j`` the head-averaged attention
+``A_p[j, i]`` from its input position ``t_j = p + j`` to every prompt key ``i`` and the history mass ``c[j]`` on
+the earlier response keys (self excluded); :func:`attention_for_layer` and :func:`default_routing_layer` pick the
+one eager layer.  :func:`interaction_terms` forms ``beta[i, j] = A_p[j, i] a_j`` and ``gamma[j] = a_j c_j``.
+Rows and columns cover every position, fixed ones included; which are eligible is :mod:`.selection`'s business.
+The App. B.3 reading (query row, softmax over keys incl. self, no renormalisation): docs/bridge.md, "Routing".
 """
 
 from __future__ import annotations

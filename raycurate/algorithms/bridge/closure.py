@@ -1,55 +1,13 @@
-"""BRIDGE structure-aware closure projection of the response mask (paper App. G.1; docs/bridge.md).
+"""BRIDGE structure-aware closure projection of the response mask (paper App. G.1), pure Python/numpy.
 
-After the alternating token-level selection, the response mask ``S_r^(T)`` is projected onto whole structural
-units of the response text under the same budget ``b_r``, using only the final conditional scores
-``s_j = Delta_r(j | S_p^(T))`` (no model call).  Pure Python/numpy: no torch, no Ray, no I/O.
+After the alternating selection, the response mask is projected onto whole structural units under the same budget
+``b_r``, from the final conditional scores alone (no model call)::
 
-Pipeline of one example::
-
-    check = verify_alignment(response, offsets)                    # token/text alignment
-    units = structural_units(response, domain, offsets)            # task-specific units, split/merge rules
-    result = closure_projection(scores, units, b_r, token_mask=m)  # mandatory units, DP / greedy, completion
-    # or, all three with the documented fallback:  project_response(response, domain, offsets, scores, b_r, ...)
-
-Positions are the example's *eligible* response positions ``0 .. r-1`` (the response side of the token row
-without the fixed EOS; template markers such as ``<|end|>`` are eligible and carry ``(-1, -1)`` offsets).
-
-Units, their alignment checks and the rules that cut them live in :mod:`raycurate.algorithms.units`; the generic
-solvers (:func:`~raycurate.algorithms.knapsack.knapsack_dp`, :func:`~raycurate.algorithms.knapsack.greedy_density`)
-in :mod:`raycurate.algorithms.selection`.  This module scores units and projects the mask onto them.
-
-Decisions (the paper leaves these open; App. G.1 gives the rules, not the constants):
-
-* **Quality** ``q(u) = sum_{j in core} max(s_j, -tau) / (|core| + eps)^alpha``.  The paper states no defaults.
-  ``alpha = 0.5`` (between total utility, alpha = 0, which favours long units, and mean utility, alpha = 1, which
-  favours many tiny units); ``eps = 1.0`` (smoothing: a one-token core does not count as a full unit; also guards
-  empty cores); ``tau = None`` = scale-free default ``tau = mean |s_j|`` over the example's eligible positions
-  (token utilities are gradient dot products with no fixed scale), so one strongly negative token costs its unit
-  at most one average token's worth.  All three are arguments.
-* **Structural priority** (the first DP tie-break, summed over the chosen units): answer 3, equation 2, every
-  other kind 1.
-* **Mandatory units first** (G.1): whole mandatory units are taken last-first while they fit; a mandatory unit
-  that does not fit keeps its highest-priority positions as capacity permits: answer-payload tokens (the ``42``
-  of ``#### 42``) first, then other core tokens, then the rest, each by score (descending) then position.
-* **Unit selection**: exact 0/1 knapsack by DP over capacity (vectorised over capacities) when the residual
-  capacity is at most ``dp_capacity_limit`` (2048), greedy by density ``q / |u|`` above (G.1).  Objective ties
-  (relative tolerance 1e-9, via a perturbation below it, see :func:`knapsack_dp`) break by structural priority,
-  then retained positive utility ``sum max(s_j, 0)`` over the unit's positions, then position (the DP keeps the
-  incumbent on a full tie, so earlier units win).  Units
-  with ``q < 0`` are left out (they never improve the objective); when all remaining units fit, all are taken
-  (the exact optimum, no search).
-* **Budget completion** (G.1 "repacks whole units or adds individual positions"): both solvers already leave no
-  unchosen unit with ``q > 0`` that fits the residual (DP is exact; the greedy scan skips what does not fit and
-  continues), so the residual is filled with single positions by score (descending), then position, until the
-  mask holds exactly ``b_r`` positions, like the token-level Top-b it replaces.  ``complete_budget=False``
-  turns this off.  The mask never holds more than ``b_r`` positions.
-* **Fallback**: when :func:`~.alignment.verify_alignment` fails (offsets out of the text, not monotone, or not
-  covering every non-whitespace character), :func:`project_response` returns the token mask unchanged with
-  ``fallback=True`` and the reason.
-
-Cost: on one idle CPU core, ~0.45 ms for the whole :func:`project_response` at r ~ 300 and ~17 units (units
-~0.28 ms, projection ~0.15 ms; 2026-12-04), almost all of it per-call numpy overhead on arrays of a few hundred
-elements.
+    check = verify_alignment(response, offsets)                    # :mod:`.alignment`
+    units = structural_units(response, domain, offsets)            # :mod:`.units`
+    result = closure_projection(scores, units, b_r, token_mask=m)  # :func:`unit_quality`, :mod:`.knapsack`
+    # or all three, falling back to the token mask:  project_response(response, domain, offsets, scores, b_r, ...)
+Constants, tie-breaks, mandatory units and budget completion: docs/bridge.md, "Closure".
 """
 
 from __future__ import annotations
@@ -60,10 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from raycurate.algorithms import kernels
-from raycurate.algorithms.knapsack import greedy_density, knapsack_dp
-from raycurate.algorithms.selection import top_b
-from raycurate.algorithms.units import MAX_UNIT_TOKENS, MIN_UNIT_TOKENS, Unit, units_and_core
+from raycurate.algorithms.bridge import kernels
+from raycurate.algorithms.bridge.knapsack import greedy_density, knapsack_dp
+from raycurate.algorithms.bridge.selection import top_b
+from raycurate.algorithms.bridge.units import MAX_UNIT_TOKENS, MIN_UNIT_TOKENS, Unit, units_and_core
 
 DP_CAPACITY_LIMIT = 2048
 ALPHA = 0.5

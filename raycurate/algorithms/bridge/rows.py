@@ -15,10 +15,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from raycurate.algorithms.alignment import spans_from_flat
-from raycurate.algorithms.closure import final_answer_covered, project_response
-from raycurate.algorithms.routing import attention_for_layer, interaction_terms, routing_weights
-from raycurate.algorithms.selection import (
+from raycurate.algorithms.bridge.alignment import spans_from_flat
+from raycurate.algorithms.bridge.closure import final_answer_covered, project_response
+from raycurate.algorithms.bridge.routing import attention_for_layer, interaction_terms, routing_weights
+from raycurate.algorithms.bridge.selection import (
     BUDGET_MODES,
     Schedule,
     SelectionResult,
@@ -32,7 +32,8 @@ from raycurate.algorithms.selection import (
     to_row_masks,
     top_b,
 )
-from raycurate.algorithms.token_utility import knockout_prompt_scores, token_utilities
+from raycurate.algorithms.bridge.token_utility import knockout_prompt_scores, token_utilities
+from raycurate.algorithms.losses import pad_rows
 
 SCHEDULES: tuple[Schedule, ...] = ("independent", "one_pass", "alternating")
 PROMPT_PROXIES = ("routing", "knockout_grad")
@@ -168,7 +169,7 @@ def select_example(
         settings: Budgets, schedule, closure options.
         prompt_scores: optional (n,) knock-out prompt scores (``settings.prompt_proxy = "knockout_grad"``),
             conditioned on the routing selection's S_r (:func:`knockout_weights`); they replace Delta_p in one
-            final coupled update (:func:`raycurate.algorithms.selection.knockout_update`).
+            final coupled update (:func:`raycurate.algorithms.bridge.selection.knockout_update`).
 
     Returns:
         ``prompt_keep`` (p,) int8, ``loss_mask`` (n,) int8, ``response_scores`` (r,) float32 (final conditional
@@ -259,7 +260,7 @@ def _first_tokens(row: Mapping[str, Any], response_idx: np.ndarray, scores: np.n
 def corpus_response_masks(rows: Sequence[Mapping[str, Any]], response_scores: Sequence[np.ndarray],
                           settings: SelectionSettings) -> list[dict[str, Any]]:
     """``bridge.budget = corpus``: one response budget over all rows, allocated by the rows' final conditional
-    response scores (:func:`raycurate.algorithms.selection.corpus_budgets` at ``rho_r`` with ``row_floor``), then
+    response scores (:func:`raycurate.algorithms.bridge.selection.corpus_budgets` at ``rho_r`` with ``row_floor``), then
     each row's Top-b_i (and closure) at its own b_i.  The prompt selections are the per-example ones.
 
     Args:
@@ -289,24 +290,6 @@ def corpus_response_masks(rows: Sequence[Mapping[str, Any]], response_scores: Se
         out.append({"response_mask": mask, "response_idx": response_idx, "b_r": int(b),
                     "supervised_response": int(mask.sum()), **info})
     return out
-
-
-def pad_rows(rows: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad token rows into a batch.
-
-    Returns:
-        ``input_ids``, ``attention_mask``, ``loss_mask``: (B, T) long tensors.
-    """
-    width = max(len(r["input_ids"]) for r in rows)
-    batch = {k: torch.zeros((len(rows), width), dtype=torch.long) for k in ("input_ids", "attention_mask",
-                                                                          "loss_mask")}
-    batch["input_ids"].fill_(pad_id)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        batch["input_ids"][i, :n] = torch.as_tensor(r["input_ids"])
-        batch["attention_mask"][i, :n] = 1
-        batch["loss_mask"][i, :n] = torch.as_tensor(r["loss_mask"])
-    return batch
 
 
 @dataclass

@@ -1,26 +1,12 @@
 """Hand-written forward-mode rules for Llama-style decoder layers (RMSNorm, rotary GQA attention, SwiGLU MLP).
 
-Token utilities need the tangent of every supervised token's loss along the scoring direction v, which lives on the
-last L decoder layers.  torch's generic forward-mode AD gets there op by op: every linear runs three matmuls, every
-elementwise op adds one to three tangent ops (some through TorchScript decompositions), and attention falls back
-to SDPA's unfused MATH kernel.  On small layers dispatch dominates (``benchmarks/RESULTS.md``: a dual layer cost
-~5 plain ones at hidden 128).  The rules here carry the primal h and its tangent dh side by side:
-
-- linear ``y = x W^T + b``: ``[y; dy] = [x; dx] W^T`` in one matmul over the stacked rows, plus ``x dW^T + db``;
-- RMSNorm ``y = w * n``, ``n = x r``, ``r = (mean(x^2) + eps)^-1/2``: ``dn = r (dx - n mean(n dx))``,
-  ``dy = w dn + dw n`` (statistics in fp32, as Llama's norm computes them);
-- rotary embedding: linear, applied to the stacked ``[q; dq]``;
-- attention ``P = softmax(q k^T s + M)``, ``o = P v`` with grouped KV heads (no ``repeat_kv`` copy):
-  ``dS = [dq, q] [k, dk]^T s`` (one matmul), ``dP = P (dS - rowsum(P dS))``, ``do = [dP, P] [v; dv]``;
-- SwiGLU ``m = silu(g) u``: ``dm = silu'(g) dg u + silu(g) du``, ``silu'(g) = sig(g) (1 + g (1 - sig(g)))``;
-- the loss ``l = logsumexp(z) - z[y]`` with ``z = h W^T`` and W outside the direction (:func:`plain_lm_head`):
-  ``dl = dh . ((softmax(z) - onehot(y)) W)``, one (N, V) x (V, H) matmul instead of a dual logit tensor.
-
-:func:`plan_dual_layers` says whether a model and direction fit these rules (transformers >= 5 Llama / Qwen2 /
-Mistral decoder layers, SiLU MLP, every direction parameter a weight or bias of those layers); otherwise the
-caller keeps the generic path.  :func:`patched_dual_layers` swaps the dual layers' ``forward`` for the rules while
-the model's own forward runs, so embeddings, rotary tables, the (sliding-window) masks and the plain layers before
-the first dual one are the model's own code; the tangent travels beside the hidden states and comes back at the end.
+Token utilities (:mod:`.token_utility`) need each supervised token's loss tangent along a direction on the last L
+decoder layers; torch's generic forward-mode AD pays per-op dispatch that dominates small layers.  These rules carry
+the hidden states h and their tangent dh side by side: :func:`linear_jvp` (``[x; dx]`` in one matmul),
+:func:`rms_norm_jvp`, :func:`attention_jvp`, :func:`swiglu_jvp` and :func:`loss_tangents_from_hidden` (each
+docstring gives its formula).  :func:`plan_dual_layers` says whether a model and direction fit them (else the
+caller keeps the generic path); :func:`patched_dual_layers` swaps the dual layers' ``forward`` for the rules while
+the model's own forward runs.  Decisions and costs: docs/bridge.md, "Utilities"; benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -221,6 +207,8 @@ def rms_norm_jvp(norm: nn.Module, x: torch.Tensor, dx: torch.Tensor | None, dwei
                  ) -> torch.Tensor:
     """Llama's RMSNorm (fp32 statistics, weight applied in the input dtype) and its tangent.
 
+    ``y = w * n``, ``n = x r``, ``r = (mean(x^2) + eps)^-1/2``: ``dn = r (dx - n mean(n dx))``, ``dy = w dn + dw n``.
+
     Args:
         norm: The RMSNorm module (``weight`` (H,), ``variance_epsilon``).
         x: (B, ..., H) input; ``dx`` its tangent or None; ``dweight`` the weight's tangent or None.
@@ -327,6 +315,10 @@ def attention_jvp(attn: nn.Module, qkv: FusedLinear, x: torch.Tensor, batch: int
                   position_embeddings: tuple[torch.Tensor, torch.Tensor], first_query: int = 0) -> torch.Tensor:
     """Rotary grouped-query self-attention before ``o_proj`` (eager semantics: fp32 softmax) and its tangent.
 
+    ``P = softmax(q k^T s + M)``, ``o = P v`` with grouped KV heads (no ``repeat_kv`` copy); the rotary embedding is
+    linear and applied to the stacked ``[q; dq]``: ``dS = [dq, q] [k, dk]^T s`` (one matmul),
+    ``dP = P (dS - rowsum(P dS))``, ``do = [dP, P] [v; dv]``.
+
     Args:
         attn: The layer's attention module (``head_dim``, ``scaling``).
         qkv: q, k and v projections fused (:func:`fused_linear`).
@@ -387,6 +379,8 @@ def _additive_mask(mask: torch.Tensor | None, first_query: int, length: int, dty
 
 def swiglu_jvp(gate_up: FusedLinear, x: torch.Tensor, batch: int) -> torch.Tensor:
     """``silu(gate(x)) * up(x)`` (the MLP before ``down_proj``) and its tangent.
+
+    ``m = silu(g) u``: ``dm = silu'(g) dg u + silu(g) du``, ``silu'(g) = sig(g) (1 + g (1 - sig(g)))``.
 
     Args:
         gate_up: gate and up projections fused (:func:`fused_linear`).

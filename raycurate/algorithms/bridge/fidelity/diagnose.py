@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from raycurate.algorithms.fidelity.eligible import (
+from raycurate.algorithms.bridge.fidelity.eligible import (
     SIDES,
     eligible_masks,
     kept_prompt_mask,
@@ -18,12 +18,13 @@ from raycurate.algorithms.fidelity.eligible import (
     prompt_positions,
     response_positions,
 )
-from raycurate.algorithms.fidelity.proxies import KNOCKOUT, knockout_scores, proxy_scores
-from raycurate.algorithms.fidelity.reference import (
+from raycurate.algorithms.bridge.fidelity.proxies import KNOCKOUT, knockout_scores, proxy_scores
+from raycurate.algorithms.bridge.fidelity.reference import (
     compacted_utilities,
     exact_interactions,
     reference_from_interactions,
 )
+from raycurate.algorithms.bridge.selection import budgets, fold_fixed_positions, select
 from raycurate.algorithms.ranking import (
     METRICS,
     normalized_regret,
@@ -32,7 +33,6 @@ from raycurate.algorithms.ranking import (
     top_b_overlap,
     utility_retention,
 )
-from raycurate.algorithms.selection import budgets, fold_fixed_positions, select
 
 if TYPE_CHECKING:
     import torch
@@ -122,8 +122,8 @@ def example_fidelity(
             compared reference and proxies (see :func:`exact_reference_scores`).
         knockout: also diagnose the :data:`KNOCKOUT` proxy (``bridge.prompt_proxy = knockout_grad``): prompt side
             ``d/ds_i sum_{j in S_r (+ fixed)} a_j(s)`` at ``s = 1``
-            (:func:`raycurate.algorithms.token_utility.knockout_prompt_scores`, one extra pass); its response side
-            is the routing surrogate's ``Delta_r(. | S_p)`` (what the selection uses with that proxy), so it
+            (:func:`raycurate.algorithms.bridge.token_utility.knockout_prompt_scores`, one extra pass); its response
+            side is the routing surrogate's ``Delta_r(. | S_p)`` (what the selection uses with that proxy), so it
             repeats ``attention_x_a``'s response row by construction.
 
     Returns:
@@ -160,10 +160,10 @@ def example_fidelity(
 
 
 def _routing(model: nn.Module, input_ids: torch.Tensor, prompt_len: int, layer: int | None):
-    """(A_p (R, prompt_len), c (R,)) of one row from one attention layer (:mod:`raycurate.algorithms.routing`)."""
+    """(A_p (R, prompt_len), c (R,)) of one row from one attention layer (:mod:`..routing`)."""
     import torch
 
-    from raycurate.algorithms import routing
+    from raycurate.algorithms.bridge import routing
 
     layer = routing.default_routing_layer(model) if layer is None else layer
     ids = input_ids[None, :]

@@ -1,7 +1,7 @@
 """Token-to-character alignment of a response: are a row's per-token character offsets inside the text, monotone,
-and covering every non-space character?  The structural units (:mod:`raycurate.algorithms.units`) and the closure
-projection trust token ownership only when this check passes (docs/bridge.md).  Split out of ``units`` to keep
-that module about segmentation.
+and covering every non-space character (:func:`verify_alignment`, :func:`alignment_check`)?  The structural units
+(:mod:`.units`) and the closure projection (:mod:`.closure`) trust token ownership only when this check passes
+(docs/bridge.md, "Closure").  Split out of :mod:`.units` to keep that module about segmentation.
 """
 
 from __future__ import annotations

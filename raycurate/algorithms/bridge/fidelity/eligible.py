@@ -2,7 +2,7 @@
 
 Candidates are the *eligible* positions (``selection.eligible_positions``); fixed prompt tokens (BOS, template)
 stay in every compacted prompt and fixed response tokens (EOS, end-of-turn) are always supervised (see
-:mod:`raycurate.algorithms.fidelity`).
+:mod:`raycurate.algorithms.bridge.fidelity`).
 """
 
 from __future__ import annotations

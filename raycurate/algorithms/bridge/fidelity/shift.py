@@ -7,10 +7,10 @@ from typing import Literal
 
 import numpy as np
 
-from raycurate.algorithms.fidelity.eligible import SIDES
-from raycurate.algorithms.fidelity.proxies import conditional_scores
+from raycurate.algorithms.bridge.fidelity.eligible import SIDES
+from raycurate.algorithms.bridge.fidelity.proxies import conditional_scores
+from raycurate.algorithms.bridge.selection import budgets, top_b
 from raycurate.algorithms.ranking import spearman
-from raycurate.algorithms.selection import budgets, top_b
 
 DEFAULT_RETENTIONS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.1)
 

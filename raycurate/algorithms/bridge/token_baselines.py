@@ -1,35 +1,12 @@
-"""Token-selection baselines on BRIDGE's machinery and budgets (paper §5.1, App. B.2, D.1; docs/bridge.md).
+"""Token-selection baselines on BRIDGE's machinery and budgets (paper §5.1, App. B.2, D.1).
 
-Every baseline returns :class:`TokenMasks`, the same form as BRIDGE's row masks
-(:func:`raycurate.algorithms.selection.to_row_masks`): ``prompt_keep`` (prompt_len,) bool and ``loss_mask`` (n,)
-bool.  Fixed positions are those of :func:`raycurate.algorithms.selection.eligible_positions` (BOS and flagged
-template tokens always kept, EOS and flagged response markers always supervised); budgets are
-:func:`raycurate.algorithms.selection.budgets` over the eligible positions and Top-b is
-:func:`raycurate.algorithms.selection.top_b` (ties by position), so a baseline and BRIDGE at the same ratios keep
-exactly the same number of tokens per example.
-
-Baselines:
-
-* **Random** (App. B.2 "retains a uniformly sampled token subset with the same retention ratios as BRIDGE"):
-  :func:`random_masks` with a per-example generator :func:`example_rng` derived from ``(seed, example id)``.
-* **RHO-1 / Token Cleaning** (response side only, prompt intact): scores from the per-token losses of the base
-  model and a reference model (:func:`excess_loss_scores`, :func:`token_influence`, :func:`response_scores`; the
-  warmup checkpoint is the default reference).  The score is the same for both (``l_base - l_ref``, keep high);
-  RHO-1 takes each example's Top-b (:func:`token_cleaning_masks`, at ratio ``rho_r`` or at the matched combined
-  budget of App. B.2, :func:`one_sided_matched_budget`), Token Cleaning one corpus-wide Top-B with B the sum of
-  the matched budgets (:func:`token_cleaning_global_masks`, its fixed-model cleaning's global threshold).
-* **Independent and Sequential compositions** (App. D.1): :func:`independent_composition` and
-  :func:`sequential_composition`.
-
-Substitution for LLMLingua-2 (decision): its token-classifier model is not available offline, so the prompt-side
-selector of the compositions is either random (:func:`random_scores`) or self-information, the base model's
-surprisal ``-log p(x_i | x_<i)`` of each prompt token (:func:`surprisal_prompt_scores`), which is the criterion
-of LLMLingua-1 (Jiang et al., 2023) and Selective Context (Li et al., 2023): high-surprisal tokens carry the
-information, predictable ones are dropped.  LLMLingua-2 itself can take this slot once its model is available locally.
-
-Why one ~600-line module: the baselines are the paper's comparison set and share one private layout of a row
-(eligible / fixed positions, matched budgets, the per-row checks at the bottom); split into files they would each
-import those private helpers, and a reader comparing two baselines wants them side by side.
+Each returns :class:`TokenMasks` (``prompt_keep``, ``loss_mask``), the form of BRIDGE's row masks, with
+:mod:`.selection`'s fixed positions, budgets and Top-b, so a baseline keeps as many tokens per row as BRIDGE at
+the same ratios: :func:`random_masks` (App. B.2); RHO-1 (:func:`token_cleaning_masks`, per row) and Token Cleaning
+(:func:`token_cleaning_global_masks`, one corpus-wide Top-B), both on the excess loss :func:`excess_loss_scores`;
+the App. D.1 compositions :func:`independent_composition` and :func:`sequential_composition`, whose prompt
+selector (LLMLingua-2 is not available offline) is :func:`random_scores` or :func:`surprisal_prompt_scores`.
+The stages are in ``stages/bridge_compact.py``; decisions and results: docs/bridge.md, "Baselines".
 """
 
 from __future__ import annotations
@@ -41,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 
-from raycurate.algorithms.selection import budgets, eligible_positions, to_row_masks, top_b
+from raycurate.algorithms.bridge.selection import budgets, eligible_positions, to_row_masks, top_b
 
 Side = Literal["prompt", "response"]
 BudgetMode = Literal["ratio", "matched"]
@@ -537,7 +514,7 @@ def sequential_composition(
     (the context used in final training) by ``rescore_response`` and the response selector takes their Top-b.
     ``S_p`` is not revisited (a single dependency ``S_p -> S_r``; BRIDGE alternates instead).  This function only
     orchestrates: the caller's callable runs the models, e.g. builds the row with
-    :func:`raycurate.algorithms.compaction.compact_example` and returns
+    :func:`raycurate.algorithms.bridge.compaction.compact_example` and returns
     ``response_scores(variant, loss_base, loss_ref)`` on it.
 
     Args:

@@ -1,20 +1,11 @@
-"""Task sensitivity of attention heads from base vs proxy weights, and the top-rho_P selection (P2D §3.2.1;
-docs/p2d.md).
+"""Task sensitivity of attention heads from base vs proxy weights, and the top-rho_P selection (P2D §3.2.1).
 
-Each query head has a weight vector ``vec`` of length D (:mod:`raycurate.models.heads`: q rows, KV-group k and v
-rows, optionally o columns).  Its distribution is ``P = softmax(vec / tau)`` (tau = 0.1) placed on the normalised
-index support ``x_i = i / (D - 1)``, i = 0..D-1.  The paper's score is the exact 1-Wasserstein distance between the
-base and proxy distributions of a head; on a sorted 1-D support it is
-
-    W1(P, Q) = sum_{i < D-1} |CDF_P(x_i) - CDF_Q(x_i)| * (x_{i+1} - x_i) = sum_i |cumsum(P - Q)_i| / (D - 1),
-
-computed for all heads at once with one cumulative sum (``cumsum(P - Q)`` rather than ``cumsum(P) - cumsum(Q)``, so
-nothing cancels near CDF = 1).  Everything runs in float64: with D ~ 10^6, probabilities are ~10^-6 and their
-differences far smaller.  Ablation scorers: ``cosine`` (1 - cosine similarity of the raw vectors), ``l2`` (norm of
-the raw delta) and ``kl`` (KL(P_proxy || P_base)).  Higher always means more task-sensitive.
-
-Every function takes any leading shape (..., D) -> (...), so a caller can score one layer at a time ((H, D) in,
-(H,) out) and stack the results: :func:`score_heads_streaming` does exactly that.
+A head's weight vector (:mod:`raycurate.models.heads`) becomes ``P = softmax(vec / tau)`` on the index support
+``i / (D - 1)`` (:func:`head_distributions`); its score is the exact 1-Wasserstein distance between base and proxy,
+``sum_i |cumsum(P - Q)_i| / (D - 1)`` in float64 (:func:`wasserstein1_index`), or an ablation (``cosine``, ``l2``,
+``kl``); higher = more task-sensitive.  Every scorer maps (..., D) to (...), so :func:`score_heads_streaming` scores
+one layer at a time.  :func:`select_heads` / :func:`heads_table` keep the top rho_P heads of the whole model.
+Decisions (GQA slices, float64, budget, ties): docs/p2d.md, "Head score".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Compiled (numba) kernels for BRIDGE's per-example selection and closure, with the numpy code as the fallback.
 
-The per-example work of ``bridge_select`` (alternating selection, closure projection) runs a few dozen numpy calls
-on arrays of ~300 elements, where the ~1-5 us overhead per call dominates the arithmetic.  The kernels
-here fuse those calls into one compiled loop each.  They reproduce the numpy code bit for bit:
-
-* sums use numpy's own pairwise summation (:func:`_np_sum`: 8 accumulators up to 128 elements, halves above), so
-  ``U_sur`` and the other diagnostics are the same floats;
-* the matrix-vector products stay numpy/BLAS calls (a loop would sum in another order), the kernels do what lies
-  between them;
-* ``Top-b`` with ties by position is one well-defined set, found here by a selection instead of a stable sort.
-
-``tests/test_kernels.py`` checks both paths give identical outputs on generated cases;
-``benchmarks/selection_reference.py --paths`` on the whole reference set.  Set ``RAYCURATE_KERNELS=0`` (or use
-:func:`enabled`) to run the numpy code; without numba the numpy code runs and nothing changes.
+Each kernel fuses the few dozen small numpy calls of one step of :mod:`.selection`, :mod:`.units` or
+:mod:`.closure` (arrays of ~300 elements, where per-call overhead dominates) into one loop, and reproduces the numpy
+code bit for bit: numpy's pairwise summation (:func:`_np_sum`), matrix-vector products left to BLAS, Top-b with
+ties by position.  ``tests/test_kernels.py`` and ``benchmarks/selection_reference.py --paths`` check both paths
+agree.  ``RAYCURATE_KERNELS=0`` (or :func:`enabled`) runs the numpy code; without numba it runs anyway.
 """
 
 from __future__ import annotations
@@ -207,7 +199,7 @@ def _response_half(scores, gamma, bias, s_p, b_r, s_r, s_r_float, new, buf):
 
 
 def alternate(beta: np.ndarray, gamma: np.ndarray, bias: np.ndarray, b_p: int, b_r: int, rounds: int):
-    """The alternating schedule of :func:`raycurate.algorithms.selection.select` (inputs already checked finite).
+    """The alternating schedule of :func:`raycurate.algorithms.bridge.selection.select` (inputs already checked finite).
 
     Args:
         beta: (p, r) float64 interactions.
@@ -276,7 +268,7 @@ def _knapsack(weights, gains, capacity):
 
 
 def knapsack_chosen(weights: np.ndarray, gains: np.ndarray, capacity: int) -> list[int]:
-    """Indices chosen by :func:`raycurate.algorithms.knapsack.knapsack_dp`'s DP over the perturbed ``gains``.
+    """Indices chosen by :func:`raycurate.algorithms.bridge.knapsack.knapsack_dp`'s DP over the perturbed ``gains``.
 
     Args:
         weights: (M,) int64 positive sizes.
@@ -295,7 +287,7 @@ def knapsack_chosen(weights: np.ndarray, gains: np.ndarray, capacity: int) -> li
 
 @_jit
 def _aligned_ok(spans, nonws):
-    """:func:`raycurate.algorithms.alignment.verify_alignment`'s verdict (the numpy code words the reason)."""
+    """:func:`raycurate.algorithms.bridge.alignment.verify_alignment`'s verdict (the numpy code words the reason)."""
     n = nonws.shape[0]
     covered = np.zeros(n, dtype=np.bool_)
     prev_start, prev_end, seen = 0, 0, False

@@ -1,24 +1,12 @@
-"""BRIDGE budgets and coupled prompt/response token selection (paper §4.4, App. A.4, C.2, G.1; docs/bridge.md).
+"""BRIDGE budgets and coupled prompt/response token selection (paper §4.4, App. A.4, C.2, G.1), per example, numpy.
 
-Everything here is per example and works on numpy ``float64`` arrays over the *eligible* positions of one row:
-
-* ``beta`` (p, r): interaction ``beta[i, j] = A^p[j, i] * a_j`` between eligible prompt token ``i`` and eligible
-  response token ``j``; ``gamma`` (r,): history utility ``gamma_j = a_j * c_j``; optional ``prompt_bias`` (p,):
-  a unary prompt term (the routing of the fixed, always-supervised response tokens, see
-  :func:`fold_fixed_positions`; zero in the paper's formulas).
-* Surrogate utility ``U_sur(S_p, S_r) = sum_{j in S_r} gamma_j + sum_{i in S_p} bias_i
-  + sum_{i in S_p, j in S_r} beta_ij`` (paper §4.3, A.4).
-* Conditional scores (marginal gains of U_sur): ``Delta_p(i | S_r) = bias_i + sum_{j in S_r} beta_ij`` and
-  ``Delta_r(j | S_p) = gamma_j + sum_{i in S_p} beta_ij`` (paper §4.4, App. E.3).
-
-Fixed positions (the kept BOS, chat-template/special prompt tokens; the supervised EOS and end-of-turn marker)
-are outside the budgets (App. G.1): :func:`eligible_positions` lists the eligible ones, :func:`budgets` sizes the
-budgets over them, :func:`select` picks subsets, :func:`to_row_masks` maps the result back onto the token row.
-
-The generic 0/1 knapsack solvers :func:`knapsack_dp` (exact) and :func:`greedy_density` (by density) pick whole
-items under a capacity; the closure projection (:mod:`raycurate.algorithms.closure`) uses them on units.
-
-Ties are broken by position everywhere (earlier position first), so the same input always gives the same output.
+Inputs are arrays over one row's *eligible* positions: ``beta`` (p, r) interactions, ``gamma`` (r,) history
+utilities and an optional unary ``prompt_bias`` (:func:`fold_fixed_positions`).  ``U_sur(S_p, S_r)`` sums gamma over
+S_r, bias over S_p and beta over S_p x S_r (:func:`surrogate_utility`); the conditional scores ``Delta_p(i | S_r)``
+and ``Delta_r(j | S_p)`` are its marginal gains.  :func:`eligible_positions` and :func:`budgets` (or
+:func:`corpus_budgets`) size the budgets, :func:`select` runs a schedule, :func:`knockout_update` and
+:func:`supervise_first` are the beyond-the-paper options, :func:`to_row_masks` maps back onto the token row.
+Ties break by position (:func:`top_b`); compiled paths are in :mod:`.kernels`.  Decisions: docs/bridge.md.
 """
 
 from __future__ import annotations
@@ -30,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 
-from raycurate.algorithms import kernels
+from raycurate.algorithms.bridge import kernels
 
 Schedule = Literal["independent", "one_pass", "alternating"]
 SCHEDULES: tuple[Schedule, ...] = ("independent", "one_pass", "alternating")
@@ -428,7 +416,7 @@ def knockout_update(
     """One coupled update with externally computed prompt scores (``bridge.prompt_proxy = knockout_grad``).
 
     ``prompt_scores`` replace ``Delta_p(. | S_r)``: the first-order knock-out derivative conditioned on
-    ``state.response_mask`` (:func:`raycurate.algorithms.token_utility.knockout_prompt_scores`).  Then
+    ``state.response_mask`` (:func:`raycurate.algorithms.bridge.token_utility.knockout_prompt_scores`).  Then
     ``S_p = Top_bp prompt_scores`` and ``S_r = Top_br Delta_r(. | S_p)`` with the routing surrogate's
     ``Delta_r(j | S_p) = gamma_j + sum_{i in S_p} beta_ij`` (a reverse pass gives the knock-out derivative only as
     row sums over one response weighting, not the (p, r) matrix the response side would need).  ``u_sur`` extends

@@ -1,10 +1,9 @@
-"""Generic 0/1 knapsack solvers: the closure projection (:mod:`raycurate.algorithms.closure`) picks whole
-structural units with them, under the response budget.
+"""Generic 0/1 knapsack solvers: the closure projection (:mod:`.closure`) picks whole structural units with them,
+under the response budget.
 
-``knapsack_dp`` is exact (a DP over capacities; near-ties broken by structural priority, then positive utility,
-through a perturbation far below the values' own tolerance); ``greedy_density`` is the fallback for capacities
-above the DP limit.  Split out of :mod:`raycurate.algorithms.selection` (which re-exports both) to keep each
-module about one thing.
+:func:`knapsack_dp` is exact (a DP over capacities; near-ties broken by structural priority, then positive
+utility, through a perturbation far below the values' own tolerance); :func:`greedy_density` is the fallback for
+capacities above the DP limit.  Compiled path: :mod:`.kernels`.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from raycurate.algorithms import kernels
+from raycurate.algorithms.bridge import kernels
 
 
 def knapsack_dp(

@@ -1,27 +1,12 @@
-"""Head-guided ICL probing of training examples (P2D §3.2.2, Data Whisperer protocol; docs/p2d.md).
+"""Head-guided ICL probing of training examples (P2D §3.2.2, Data Whisperer protocol).
 
-Each prompt is an instruction, ``demos_per_prompt`` (5) demonstrations and ``queries_per_prompt`` (3) queries, all
-drawn from the selection pool.  Per prompt k the model answers the queries, giving one prompt score s^(k) (exact
-match, ROUGE-L, or a teacher-forced gold likelihood), and for each demonstration i a weight w_i^(k): the attention
-mass from the query block to the demonstration's span, summed over the selected heads H_T (each at its own layer),
-divided by the span length and normalised over the prompt's demonstrations.  An example's final score is the mean
-of ``s^(k) * w^(k)`` over the prompts where it was a (counted) demonstration; the top rho_D are selected.
-
-Decisions:
-
-* Rounds (:func:`icl_rounds`): every round is a seeded permutation of the pool cut into prompts, so each example
-  is a *counted* demonstration exactly ``n_rounds`` times.  When the pool size is not a multiple of
-  ``demos_per_prompt``, the round's last prompt is filled up with demonstrations drawn from the rest of the pool;
-  these fillers give the prompt its full length (so its weights are normalised over as many demonstrations as every
-  other prompt) but are marked ``counted=False`` and must not enter :func:`aggregate_example_scores`.
-* Queries of a prompt are drawn from the pool minus that prompt's demonstrations (fillers included), so an example
-  is never its own query and demos and queries are disjoint; with a trusted set they are drawn from the trusted rows
-  instead (``query_examples``), so a query's gold answer is never a corrupted pool response.
-* The gold-likelihood score is ``exp(mean log p(answer token))``, the geometric-mean token probability in (0, 1]:
-  it must be non-negative and higher-is-better, because it multiplies the attention weight.
-* Examples that were never a counted demonstration get NaN from :func:`aggregate_example_scores`;
-  :func:`select_top` refuses NaN, so a missing probe cannot silently rank an example.
-* :func:`select_top` keeps ``round(ratio * N)`` (half up, at least 1) examples, ties to the lower index.
+:func:`icl_rounds` cuts the pool into prompts (an instruction, demonstrations, queries) round by round and
+:func:`assemble_prompt` renders one; per prompt k the queries give a score s^(k) (:func:`gold_loglik_score`,
+:func:`exact_match_score`, :func:`rouge_l_f1`) and each demonstration a weight w^(k), the selected heads' attention
+from the query block to its span (:func:`demo_attention_weights`).  :func:`aggregate_example_scores` averages
+``s^(k) w^(k)`` over an example's counted appearances (:func:`query_centred_scores` optionally centres s^(k) per
+query first) and :func:`select_top` keeps the top rho_D.  Rounds, fillers, query draws, the loglik score and
+NaN handling: docs/p2d.md, "Decisions the paper leaves open"; the stages are ``stages/p2d.py``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from raycurate.algorithms.fidelity.eligible import (
+from raycurate.algorithms.bridge.fidelity.eligible import (
     eligible_subset,
     fixed_response_mask,
     kept_prompt_mask,
@@ -38,7 +38,7 @@ def _response_utilities(
     """
     import torch
 
-    from raycurate.algorithms.token_utility import token_utilities
+    from raycurate.algorithms.bridge.token_utility import token_utilities
 
     attention_mask = torch.ones_like(rows)
     loss_mask = torch.zeros_like(rows)
@@ -84,7 +84,7 @@ def exact_interactions(
         input_ids: (n,) token ids of one example, no padding.
         prompt_len: number of prompt-side positions (BOS included).
         prompt_idx: (p,) prompt positions to perturb (the eligible ones; BOS is not perturbed).
-        direction: ``{parameter name: v}`` (:func:`raycurate.algorithms.token_utility.scoring_direction`).
+        direction: ``{parameter name: v}`` (:func:`raycurate.algorithms.bridge.token_utility.scoring_direction`).
         chunk: leave-one-out rows per JVP call (memory knob), >= 1.
 
     Returns:

@@ -1,37 +1,11 @@
-"""Structural units of a response text: alignment, segmentation, merge/split (paper App. G.1, D.2, D.3; docs/bridge.md).
+"""Structural units of a response text (paper App. G.1, D.2, D.3): the first half of BRIDGE's closure projection.
 
-The first half of the BRIDGE closure projection (:mod:`raycurate.algorithms.closure` scores and selects the
-units).  A unit is a contiguous run of the example's *eligible* response positions ``0 .. r-1`` (the response side
-of the token row without the fixed EOS; template markers such as ``<|end|>`` are eligible and carry ``(-1, -1)``
-offsets).  Pure Python/numpy: no torch, no Ray, no I/O.
-
-Decisions (the paper leaves these open; App. G.1 gives the rules, not the constants):
-
-* **Units** (G.1 "tokenizer-aligned, task-specific boundaries", D.2, D.3).  Boundaries are found on the text and
-  mapped to tokens through each token's first non-whitespace character (a token ``" The"`` belongs to the sentence
-  of ``T``; ``".\\n"`` to the sentence it ends); unaligned tokens join the unit of the token before them.
-  math: lines, cut further into sentences; a unit holding ``=`` or display math is an ``equation``, else a
-  ``step``.  The final-answer unit (``#### 42``, ``\\boxed{...}``, a line ``The answer is: 42``) is mandatory.
-  code: statements = logical lines (a newline inside open ``()[]{}`` does not end a statement; quotes and ``#``
-  comments are skipped on the line; prose outside ````` fences is cut into sentences).  instruction: list items
-  (lines starting ``- ``, ``* ``, ``+ ``, ``• ``, ``1. ``, ``1) ``) and sentences.  Any other domain: sentences.
-* **Tagged regions** (G.1 "overlapping tagged regions are merged before selection"): final-answer tags and display
-  math (``$$..$$``, ``\\[..\\]``) absorb every base unit they overlap; such *protected* units are never split,
-  so they may exceed ``max_unit_tokens``, and are never merged away when short.
-* **Merge, then split.**  A non-protected unit shorter than ``min_unit_tokens`` (4) merges into a neighbour:
-  non-mandatory neighbours first, then the smaller one, then the left one; it takes the neighbour's kind.  Repeat
-  left to right until no such unit remains.  Then every non-protected unit longer than ``max_unit_tokens`` (96) is
-  cut into ``ceil(n / 96)`` contiguous chunks of near-equal size (earlier chunks one longer), which are at least
-  ``48 >= 4`` tokens, so both limits hold afterwards for the defaults.
-* **Core** of a unit (the ``u_core`` of eq. 11): its aligned tokens that contain at least one alphanumeric
-  character; whitespace, punctuation, bracket and template tokens are supervised with their unit but do not
-  count in ``q(u)``.  A unit with an empty core has ``q = 0``.
-* **Alignment**: :func:`~.alignment.verify_alignment` (offsets inside the text, monotone, covering every non-whitespace
-  character) must pass before units are built; :func:`aligned_units` reports a failure instead of raising, so
-  the projection can fall back to the token mask.
-
-Cost: units depend only on the text and offsets, so a caller that re-projects with other scores or budgets can
-build them once per example.
+A unit is a contiguous run of a row's *eligible* response positions ``0 .. r-1``: math lines and sentences (the
+final-answer unit mandatory), code logical lines, instruction list items and sentences, merged below 4 and split
+above 96 tokens (:func:`structural_units`, :func:`aligned_units`, :func:`units_and_core`, which also returns each
+unit's core, the tokens that count in ``q(u)``).  Token-to-text checks come from :mod:`.alignment`; scoring and
+selecting the units is :mod:`.closure`.  Pure Python/numpy.  The rules and constants (the paper gives none):
+docs/bridge.md, "Closure".
 """
 
 from __future__ import annotations
@@ -44,8 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from raycurate.algorithms import kernels
-from raycurate.algorithms.alignment import (
+from raycurate.algorithms.bridge import kernels
+from raycurate.algorithms.bridge.alignment import (
     AlignmentCheck,
     Spans,
     alignment_check,

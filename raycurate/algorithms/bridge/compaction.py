@@ -1,20 +1,11 @@
-"""Compact SFT rows for BRIDGE's final training (paper §4, App. B.2, D.1; docs/bridge.md).
+"""Compact SFT rows for BRIDGE's final training (paper §4.5, App. B.2, D.1).
 
-Final SFT trains on ``kept prompt tokens + the complete response``: prompt tokens that the selection dropped are
-physically removed from ``input_ids`` (they cost no compute and the model never sees them), while every response
-token stays in the sequence as causal history; the loss is applied only at the selected response positions and at
-the always-supervised EOS (App. B.2: "The selected prompt is physically compacted, while the full response is
-retained as autoregressive history").
-
-Row contract (shared with :mod:`raycurate.data.tokenize`): ``input_ids = prompt side [0, prompt_len) + response
-side [prompt_len, n)``, EOS last; ``loss_mask`` aligned with ``input_ids`` (1 = the token at that position is a
-supervised target; :func:`raycurate.algorithms.losses.token_losses` does the only label shift);
-``prompt_offsets`` = flat ``[start, end, ...]`` character offsets, two per prompt token, ``-1`` for template and
-special tokens.
-
-Normalisation: the training stage's loss :func:`raycurate.algorithms.losses.example_losses` already divides each
-example's summed token loss by its number of supervised positions (``loss_mask`` count, position 0 excluded), so a
-compacted row's loss is the mean over its selected positions (+EOS), as compact SFT asks; nothing to change there.
+:func:`compact_example` / :func:`compact_table_rows` physically remove the prompt tokens the selection dropped and
+keep the whole response as causal history, with ``loss_mask`` on the selected response positions and the EOS
+(App. B.2).  Row contract as :mod:`raycurate.data.tokenize` writes it (prompt ``[0, prompt_len)``, response after,
+``prompt_offsets`` two per prompt token, ``-1`` for template tokens).  No loss change is needed:
+:func:`raycurate.algorithms.losses.example_losses` already averages over each row's supervised positions.
+The stage is ``stages/bridge_compact.py``; decisions in docs/bridge.md.
 """
 
 from __future__ import annotations
@@ -37,7 +28,7 @@ def compact_example(
     """Physically compact one token row: drop unkept prompt tokens, keep the whole response, mask the loss.
 
     The caller's ``prompt_keep`` decides everything on the prompt side, so it must already hold the fixed positions
-    (BOS, template tokens): :func:`raycurate.algorithms.selection.to_row_masks` produces masks of that form.  The
+    (BOS, template tokens): :func:`raycurate.algorithms.bridge.selection.to_row_masks` produces masks of that form.  The
     last position (EOS) is always supervised, whatever ``response_loss`` says there (it is a fixed position, App.
     G.1); every other response position is supervised exactly when ``response_loss`` is True there.
 

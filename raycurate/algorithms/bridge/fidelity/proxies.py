@@ -8,8 +8,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from raycurate.algorithms.fidelity.eligible import eligible_masks, eligible_subset, prompt_positions, response_positions
-from raycurate.algorithms.selection import fold_fixed_positions
+from raycurate.algorithms.bridge.fidelity.eligible import (
+    eligible_masks,
+    eligible_subset,
+    prompt_positions,
+    response_positions,
+)
+from raycurate.algorithms.bridge.selection import fold_fixed_positions
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +47,7 @@ def proxy_scores(
 
     Args:
         a_p: (R, P) routing weights over all response-side rows and prompt-side columns (``P = prompt_len``),
-            from :func:`raycurate.algorithms.routing.routing_weights`.
+            from :func:`raycurate.algorithms.bridge.routing.routing_weights`.
         c: (R,) response-history mass.
         a: (R,) full-prompt utilities of the response-side tokens.
         prompt_len: ``P``.
@@ -92,7 +97,7 @@ def knockout_scores(
     """
     import torch
 
-    from raycurate.algorithms.token_utility import knockout_prompt_scores
+    from raycurate.algorithms.bridge.token_utility import knockout_prompt_scores
 
     ids = input_ids[None, :]
     prompt_mask = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
