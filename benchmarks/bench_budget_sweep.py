@@ -99,7 +99,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from raycurate.config.bridge import BridgeConfig
-    from raycurate.stages.ray_data import ActorPoolConfig, configure_data_context
+    from raycurate.config.pool import ActorPoolConfig
+    from raycurate.stages.executor import configure_data_context
     from raycurate.stages.runtime import init_ray
 
     init_ray(num_cpus=2)

@@ -14,7 +14,7 @@ Steps:
    ``eval.batch_size`` questions (:func:`evaluate_interleaved`), so a shared machine's load falls on both; wall and
    CPU seconds are summed per path, the model loads timed apart.
 3. ``--cold-start``: a fresh Python process that imports what an evaluation task imports and loads the model (what
-   ``map_rows_on_tasks``' ``max_calls=1`` costs per evaluation stage and task), and its peak RSS.
+   the executor's cold tasks' ``max_calls=1`` costs per evaluation stage and task), and its peak RSS.
 
 Prints ``uptime`` first and last (the machine may be shared), one line per path, and last::
 

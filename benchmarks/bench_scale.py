@@ -10,7 +10,7 @@ fresh *driver* process runs the real stages on it: ``ingest_stage`` (streaming v
 shards) and ``sharded_stage`` with a cheap scorer (distinct word-bigram share of the response, one Ray actor per
 CPU, ``--shard-rows`` rows per shard), Ray started with object spilling to a local folder.  The driver reports its
 peak RSS (``ru_maxrss``) and per-phase peaks sampled every 50 ms.  Then, at ``--rows``: three scoring-only runs of
-``sharded_map`` over the ingested rows, each in a fresh process: uninterrupted, killed with SIGKILL once half the
+the sharded map over the ingested rows, each in a fresh process: uninterrupted, killed with SIGKILL once half the
 shards have markers, and the resumed re-run; their part files are compared by checksum.
 
 Printed: per-size rows/s of ingest, scoring and both together, driver RSS, Ray start-up time.  Last line:
@@ -125,6 +125,7 @@ def pipeline(corpus: Path, run_root: Path, work: Path, shard_rows: int, actors: 
     from raycurate.rundir import RunDir
     from raycurate.stages.base import output_path
     from raycurate.stages.data_stages import ingest_stage
+    from raycurate.stages.executor import PoolResources
     from raycurate.stages.sharded import sharded_stage
 
     sampler = RssSampler()
@@ -137,9 +138,9 @@ def pipeline(corpus: Path, run_root: Path, work: Path, shard_rows: int, actors: 
     ray_s = start_ray(work, actors)
     sampler.phase = "score"
     start = time.perf_counter()
-    score = sharded_stage(run, "score", output_path(run, ingest, "accepted"), BigramScoreUDF, {},
-                          config={}, upstream=["ingest"], shard_rows=shard_rows, num_actors=actors,
-                          num_cpus_per_actor=1, progress=False)
+    whole_shards = PoolResources(num_actors=actors, num_cpus=1, num_gpus=0, batch_size=shard_rows)
+    score = sharded_stage(run, "score", output_path(run, ingest, "accepted"), BigramScoreUDF, {}, whole_shards,
+                          config={}, upstream=["ingest"], shard_rows=shard_rows, progress=False)
     score_s = time.perf_counter() - start
     time.sleep(0.1)
     rows = ingest["metrics"]["rows"]
@@ -149,12 +150,13 @@ def pipeline(corpus: Path, run_root: Path, work: Path, shard_rows: int, actors: 
 
 
 def score(accepted: Path, out: Path, work: Path, shard_rows: int, actors: int) -> dict:
-    """Scoring only (resumable ``sharded_map`` into ``out``)."""
-    from raycurate.stages.sharded import sharded_map
+    """Scoring only (a resumable sharded map into ``out``, one UDF call per shard)."""
+    from raycurate.stages.executor import PoolResources, ShardedInput, map_model_over_rows
 
     start_ray(work, actors)
-    return sharded_map(accepted, out, BigramScoreUDF, {}, shard_rows=shard_rows, num_actors=actors,
-                       num_cpus_per_actor=1, progress=False)
+    whole_shards = PoolResources(num_actors=actors, num_cpus=1, num_gpus=0, batch_size=shard_rows)
+    return map_model_over_rows(ShardedInput(accepted, out, shard_rows), BigramScoreUDF, {}, whole_shards,
+                               progress=False)
 
 
 # ----------------------------------------------------------------------------------------------------------

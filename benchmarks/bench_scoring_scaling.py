@@ -8,12 +8,11 @@ Builds the tiny model (briefly pre-trained, cached in a temp folder), tokenizes 
 scoring direction on the last 4 layers, then runs the real actor UDF (`BridgeScoreUDF`: JVP utilities, one
 attention layer; since issue #15 the selection runs in its own CPU stage, so rows before that date include the
 alternating selection and closure) with pools of 1 and 2 actors, one torch thread each, through the stage's own
-path, ``raycurate.stages.sharded.sharded_map`` (rows before 2026-12-04 went through a Ray Data ``map_batches``
-with the driver iterating rows; the stage has used ``sharded_map`` since the scoring split).  Two arms: ``cold``
-starts the pool for the map and kills it after (the stage today: actor start-up, imports and model loads are in
-the time), ``warm`` maps on a :class:`raycurate.stages.warm_pool.WarmPool` whose actors already ran a map with the
-same UDF and model (one shard), as a pool kept across maps would.  Last line: ``scaling_2_over_1=…`` (cold: rows/s
-with 2 actors over rows/s with 1) and ``warm_scaling_2_over_1=…``.
+path, the executor's sharded map (``map_model_over_rows`` of a ``ShardedInput``; rows before 2026-12-04 went
+through a Ray Data ``map_batches`` with the driver iterating rows).  The pool starts for the map and is killed after
+(actor start-up, imports and model loads are in the time), as in the stage.  Last line: ``scaling_2_over_1=…``
+(rows/s with 2 actors over rows/s with 1).  The ``warm`` arm (a ``WarmPool`` kept across maps, #29 in
+``benchmarks/RESULTS.md``) went with ``WarmPool`` when every map moved to one executor (no pipeline opened one).
 """
 
 from __future__ import annotations
@@ -52,24 +51,20 @@ def prepare(work: Path, rows: int) -> tuple[str, str, str]:
     return model_dir, str(tokens_dir), str(work / "direction.safetensors")
 
 
-def run_pool(actors: int, model_dir: str, tokens: str, direction: str, shard_rows: int,
-             warm: object = None) -> tuple[float, int]:
-    """The ``bridge_score`` stage's path: :func:`sharded_map` of ``BridgeScoreUDF`` over ``actors`` actors, one torch
-    thread each, into a fresh scratch folder (nothing resumed); actor start-up included unless ``warm`` (a
-    ``WarmPool``) maps it."""
+def run_pool(actors: int, model_dir: str, tokens: str, direction: str, shard_rows: int) -> tuple[float, int]:
+    """The ``bridge_score`` stage's path: a sharded map of ``BridgeScoreUDF`` over ``actors`` actors, one torch
+    thread each, into a fresh scratch folder (nothing resumed), actor start-up included."""
     from raycurate.algorithms.bridge.rows import SelectionSettings
     from raycurate.config.pool import ActorPoolConfig
     from raycurate.stages.bridge import BridgeScoreUDF
-    from raycurate.stages.ray_data import resolve_pool
-    from raycurate.stages.sharded import sharded_map
+    from raycurate.stages.executor import ShardedInput, map_model_over_rows, resolve_pool
 
     pool = resolve_pool(ActorPoolConfig(num_actors=actors, batch_size=16))
     scratch = tempfile.mkdtemp(prefix=f"raycurate-scaling-{actors}-")
     start = time.perf_counter()
-    metrics = sharded_map(tokens, scratch, BridgeScoreUDF, {
+    metrics = map_model_over_rows(ShardedInput(tokens, scratch, shard_rows), BridgeScoreUDF, {
         "model_dir": model_dir, "direction_path": direction, "routing_layer": None, "settings": SelectionSettings(),
-        "micro_batch": 8, "threads": 1}, shard_rows=shard_rows, num_actors=pool.num_actors,
-        num_cpus_per_actor=pool.num_cpus, batch_rows=pool.batch_size, progress=False, pool=warm)
+        "micro_batch": 8, "threads": 1}, pool, progress=False)
     return time.perf_counter() - start, metrics["rows_computed"]
 
 
@@ -78,48 +73,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=400)
     parser.add_argument("--shard-rows", type=int, default=128,
                         help="rows per shard: enough shards that both actors stay busy to the end")
-    parser.add_argument("--arms", default="cold,warm", help="comma-separated: cold, warm")
     args = parser.parse_args()
     from raycurate.stages.runtime import init_ray
-    from raycurate.stages.warm_pool import WarmPool
 
     init_ray(num_cpus=2)
     work = Path(tempfile.mkdtemp(prefix="raycurate-scaling-"))
     model_dir, tokens, direction = prepare(work, args.rows)
     run_pool(1, model_dir, tokens, direction, args.shard_rows)  # warm-up: worker start, imports, denormal flush
-    arms = args.arms.split(",")
-    results: dict[tuple[str, int], float] = {}
+    results: dict[int, float] = {}
     for actors in (1, 2):
-        if "cold" in arms:
-            seconds, n = run_pool(actors, model_dir, tokens, direction, args.shard_rows)
-            results["cold", actors] = n / seconds
-            print(f"cold, {actors} actor(s): {n} rows in {seconds:.1f} s = {n / seconds:.1f} rows/s")
-        if "warm" in arms:
-            with WarmPool(actors, 1.0) as pool:
-                run_pool(actors, model_dir, first_shard(work, tokens, actors), direction, args.shard_rows, pool)
-                seconds, n = run_pool(actors, model_dir, tokens, direction, args.shard_rows, pool)
-            results["warm", actors] = n / seconds
-            print(f"warm, {actors} actor(s): {n} rows in {seconds:.1f} s = {n / seconds:.1f} rows/s")
-    line = []
-    for arm in ("cold", "warm"):
-        if (arm, 1) in results:
-            prefix = "" if arm == "cold" else "warm_"
-            one, two = results[arm, 1], results[arm, 2]
-            line.append(f"{prefix}rows_per_s_1={one:.1f} {prefix}rows_per_s_2={two:.1f} "
-                        f"{prefix}scaling_2_over_1={two / one:.2f}")
-    print(" ".join(line))
-
-
-def first_shard(work: Path, tokens: str, actors: int) -> str:
-    """A small input (the first token file, repeated once per actor) that warms every actor of a pool."""
-    import shutil
-
-    folder = work / f"warmup-{actors}"
-    folder.mkdir(exist_ok=True)
-    first = sorted(Path(tokens).glob("*.parquet"))[0]
-    for i in range(actors):
-        shutil.copy(first, folder / f"{i}.parquet")
-    return str(folder)
+        seconds, n = run_pool(actors, model_dir, tokens, direction, args.shard_rows)
+        results[actors] = n / seconds
+        print(f"cold, {actors} actor(s): {n} rows in {seconds:.1f} s = {n / seconds:.1f} rows/s")
+    one, two = results[1], results[2]
+    print(f"rows_per_s_1={one:.1f} rows_per_s_2={two:.1f} scaling_2_over_1={two / one:.2f}")
 
 
 if __name__ == "__main__":

@@ -18,19 +18,21 @@ actor and Ray Train worker runs on a worker node.  It runs the stage twice with 
   thread waits for that file and removes that worker node (SIGKILL of its raylet, object store and workers:
   ``Cluster.remove_node(node, allow_graceful=False)``).  Nothing else differs between the two runs.
 
-``scoring``: ``bridge_score`` (:func:`raycurate.stages.bridge.score_stage`, a :func:`~raycurate.stages.sharded.
-sharded_map` actor pool of 1 actor, 4 shards of 2 rows) holds in its 2nd UDF call (shard 1; shard 0 is written).
+``scoring``: ``bridge_score`` (:func:`raycurate.stages.bridge.score_stage`, the executor's sharded map: an actor
+pool of 1 actor, 4 shards of 2 rows) holds in its 2nd UDF call (shard 1; shard 0 is written).
 Ray restarts the actor on the other node (``max_restarts``) and retries its queued shard tasks
 (``max_task_retries``); the stage finishes in the same call.
 
-``warm_tasks``: :func:`~raycurate.stages.warm_tasks.map_rows_on_tasks` (the held-out evaluation's runtime: one
-streaming Ray task over 4 groups of 2 rows, with a model-free stand-in UDF) holds in group 2.  Ray retries the
-task on the other node (tasks' default ``max_retries``); the retried generator starts again at group 1 and Ray
-drops the outputs the driver already has, so every row comes back once.
+``warm_tasks``: :func:`~raycurate.stages.executor.map_model_over_rows` of in-memory rows (the held-out
+evaluation's runtime, the executor's task back-end: one streaming Ray task over 4 groups of 2 rows, with a
+model-free stand-in UDF) holds in group 2.  Ray retries the task on the other node (tasks' default
+``max_retries``); the retried generator starts again at group 1 and Ray drops the outputs the driver already has,
+so every row comes back once.
 
-``ray_data``: :func:`~raycurate.stages.ray_data.map_with_actor_pool` (the runtime of tokenize and the other Ray
-Data stages: 1 actor, 4 batches of 2 rows, order preserved, the same stand-in UDF) holds in batch 2.  Ray Data's
-actor pools restart actors and retry their tasks by default; the map returns every row once, in order.
+``ray_data``: :func:`~raycurate.stages.executor.map_model_over_rows` of a ``ray.data.Dataset`` (the runtime of
+tokenize and the other Ray Data stages: 1 actor, 4 batches of 2 rows, order preserved, the same stand-in UDF)
+holds in batch 2.  Ray Data's actor pools restart actors and retry their tasks by default; the map returns every
+row once, in order.
 
 ``training``: ``run_sft`` (``train.launcher=ray_train``, 1 DDP worker, 4 steps, a checkpoint every 2 steps,
 ``train.max_failures=1``) holds after step 3, once the step-2 checkpoint is committed.  Ray Train's
@@ -285,7 +287,7 @@ def scoring(out: Path, cluster: Any) -> dict:
 
 
 class HoldingSquareUDF:
-    """A stand-in for ``EvaluateUDF`` on :func:`~raycurate.stages.warm_tasks.map_rows_on_tasks` (no model: the
+    """A stand-in for ``EvaluateUDF`` on the executor's task back-end (no model: the
     retry of the streaming task is what is under test): appends ``square = i * i``; logs each call and holds in its
     2nd call like :class:`HoldingScoreUDF`."""
 
@@ -309,8 +311,7 @@ class HoldingSquareUDF:
 
 def warm_tasks(out: Path, cluster: Any) -> dict:
     """Scenario C: a worker node dies during a warm-task map (the held-out evaluation's runtime), in group 2 of 4."""
-    from raycurate.stages.ray_data import PoolResources
-    from raycurate.stages.warm_tasks import map_rows_on_tasks
+    from raycurate.stages.executor import PoolResources, map_model_over_rows
 
     summary: dict[str, Any] = {"scenario": "warm_tasks"}
     rows = [{"i": k} for k in range(8)]
@@ -323,10 +324,10 @@ def warm_tasks(out: Path, cluster: Any) -> dict:
         t0 = time.perf_counter()
         if label == "killed":
             result, summary["kill"] = run_with_node_loss(
-                cluster, root / "hold.json", lambda: map_rows_on_tasks(rows, HoldingSquareUDF, {}, pool,
-                                                                       progress=False))
+                cluster, root / "hold.json", lambda: map_model_over_rows(rows, HoldingSquareUDF, {}, pool,
+                                                                         progress=False))
         else:
-            result = map_rows_on_tasks(rows, HoldingSquareUDF, {}, pool, progress=False)
+            result = map_model_over_rows(rows, HoldingSquareUDF, {}, pool, progress=False)
         (root / "rows.json").write_text(json.dumps(result))
         summary[label] = {"seconds": round(time.perf_counter() - t0, 1),
                           "calls": [json.loads(x) for x in (root / "calls.jsonl").read_text().splitlines()]}
@@ -336,10 +337,11 @@ def warm_tasks(out: Path, cluster: Any) -> dict:
 
 def ray_data(out: Path, cluster: Any) -> dict:
     """Scenario D: a worker node dies inside a Ray Data actor-pool map (the tokenize / Ray Data stages' runtime:
-    :func:`~raycurate.stages.ray_data.map_with_actor_pool`, order preserved as the stages set it), in batch 2 of 4."""
+    :func:`~raycurate.stages.executor.map_model_over_rows` of a Dataset, order preserved as the stages set it), in
+    batch 2 of 4."""
     import ray.data
 
-    from raycurate.stages.ray_data import PoolResources, dataset_from_rows, map_with_actor_pool
+    from raycurate.stages.executor import PoolResources, dataset_from_rows, map_model_over_rows
 
     summary: dict[str, Any] = {"scenario": "ray_data"}
     ray.data.DataContext.get_current().execution_options.preserve_order = True
@@ -348,7 +350,7 @@ def ray_data(out: Path, cluster: Any) -> dict:
     pool = PoolResources(num_actors=1, num_cpus=0.5, num_gpus=0, batch_size=2)
 
     def map_rows() -> list[dict]:
-        return map_with_actor_pool(dataset_from_rows(rows, 2), HoldingSquareUDF, {}, pool).take_all()
+        return map_model_over_rows(dataset_from_rows(rows, 2), HoldingSquareUDF, {}, pool).take_all()
 
     for label in ("baseline", "killed"):
         root = out / label

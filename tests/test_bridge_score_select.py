@@ -75,7 +75,7 @@ def _split_path(embedded, settings: SelectionSettings, dtype: str):
     pq.write_table(scored, path)
     stored = pq.read_table(path)
     assert stored.schema.field("score_routing").type.value_type.bit_width == (16 if dtype == "float16" else 32)
-    selected = BridgeSelectUDF(settings)(stored.slice(1))  # a slice, as sharded_map hands batches over
+    selected = BridgeSelectUDF(settings)(stored.slice(1))  # a slice, as a sharded map hands batches over
     assert not [c for c in selected.column_names if c.startswith("score_")]
     return selected.to_pylist()
 
@@ -141,9 +141,9 @@ def test_a_budget_change_reruns_only_bridge_select(embedded, tmp_path, ray_local
     import pyarrow.parquet as pq
 
     from raycurate.config.bridge import BridgeConfig
+    from raycurate.config.pool import ActorPoolConfig
     from raycurate.rundir import RunDir
     from raycurate.stages.bridge import read_token_rows, score_stage, select_stage
-    from raycurate.stages.ray_data import ActorPoolConfig
 
     tokens = tmp_path / "tokens"
     tokens.mkdir()

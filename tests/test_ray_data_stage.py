@@ -1,4 +1,4 @@
-"""The Ray Data stage template: resource arithmetic (pure) and a real local run with 2 actors."""
+"""The executor's Ray Data back-end: resource arithmetic (pure) and a real local run with 2 actors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from raycurate.config.pool import ActorPoolConfig
-from raycurate.stages.ray_data import dataset_from_rows, map_with_actor_pool, resolve_pool
+from raycurate.stages.executor import dataset_from_rows, map_model_over_rows, resolve_pool
 from raycurate.stages.runtime import actor_cpus
 
 
@@ -57,7 +57,7 @@ def test_actor_pool_stage_runs_on_two_cpus_without_deadlock(ray_local):
     ds = ray.data.range(400, override_num_blocks=8).map_batches(
         lambda b: {"x": b["id"]}, batch_format="numpy")
     pool = resolve_pool(ActorPoolConfig(num_actors=2, cpus_per_actor=1.0, batch_size=25))
-    rows = map_with_actor_pool(ds, AddOffsetUDF, {"offset": 10}, pool).take_all()
+    rows = map_model_over_rows(ds, AddOffsetUDF, {"offset": 10}, pool).take_all()
     assert [r["y"] for r in rows] == [x + 10 for x in range(400)]
     assert len({r["pid"] for r in rows}) == 2, "both actors should have taken batches"
 

@@ -1,4 +1,5 @@
-"""Shard-resumable map: planning and markers without Ray; retried UDF failures and kill-and-resume with Ray."""
+"""The executor's shard-resumable map: planning and markers without Ray; retried UDF failures and kill-and-resume
+with Ray."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from raycurate.stages.executor import PoolResources, ShardedInput, map_model_over_rows
 from raycurate.stages.sharded import (
     ROW_INDEX,
     InputFile,
@@ -33,12 +35,20 @@ from raycurate.stages.sharded import (
     plan_shards,
     prepare_shards_dir,
     read_row_range,
-    sharded_map,
     sharded_stage,
     verify_coverage,
 )
 
 TESTS_DIR = Path(__file__).resolve().parent
+
+
+def map_shards(input_path, out_dir, udf_cls, ctor_kwargs, *, shard_rows, num_actors, num_cpus_per_actor,
+               in_process=False, max_restarts=3, max_task_retries=3, progress=False):
+    """The executor's sharded map, one UDF call per shard."""
+    spec = ShardedInput(input_path, out_dir, shard_rows, in_process=in_process, max_restarts=max_restarts,
+                        max_task_retries=max_task_retries)
+    pool = PoolResources(num_actors=num_actors, num_cpus=num_cpus_per_actor, num_gpus=0, batch_size=shard_rows)
+    return map_model_over_rows(spec, udf_cls, ctor_kwargs, pool, progress=progress)
 
 
 class LengthScoreUDF:
@@ -245,10 +255,10 @@ def test_injected_udf_failures_are_retried_without_losing_or_duplicating_rows(pi
     flags = tmp_path / "flags"
     flags.mkdir()
     common = dict(shard_rows=20, num_actors=2, num_cpus_per_actor=0.5, progress=False)
-    clean = sharded_map(tmp_path / "in", tmp_path / "clean", LengthScoreUDF, {"scale": 2}, **common)
-    flaky = sharded_map(tmp_path / "in", tmp_path / "flaky", FailOnceUDF,
-                        {"flags_dir": str(flags), "mode": mode, "scale": 2},
-                        max_restarts=2, max_task_retries=2, **common)
+    clean = map_shards(tmp_path / "in", tmp_path / "clean", LengthScoreUDF, {"scale": 2}, **common)
+    flaky = map_shards(tmp_path / "in", tmp_path / "flaky", FailOnceUDF,
+                       {"flags_dir": str(flags), "mode": mode, "scale": 2},
+                       max_restarts=2, max_task_retries=2, **common)
     assert len(list(flags.iterdir())) == 2, "every shard failed once"
     assert clean["shards_computed"] == flaky["shards_computed"] == 2 and flaky["rows"] == total
     out = read_parts(tmp_path / "flaky" / "shards")
@@ -263,69 +273,25 @@ def test_sharded_stage_publishes_shards_into_the_stage_folder_and_is_skipped_whe
 
     total = write_input(tmp_path / "in", [12])
     run = RunDir(tmp_path / "run")
-    kwargs = dict(config={"v": 1}, upstream=[], shard_rows=5, num_actors=2, num_cpus_per_actor=0.5, progress=False)
-    record = sharded_stage(run, "score", tmp_path / "in", LengthScoreUDF, {}, **kwargs)
+    pool = PoolResources(num_actors=2, num_cpus=0.5, num_gpus=0, batch_size=5)
+    kwargs = dict(config={"v": 1}, upstream=[], shard_rows=5, progress=False)
+    record = sharded_stage(run, "score", tmp_path / "in", LengthScoreUDF, {}, pool, **kwargs)
     assert record["status"] == "done" and record["outputs"] == {"shards": "score/shards"}
     assert record["metrics"]["shards"] == 3 and record["metrics"]["rows"] == total
     assert read_parts(run.root / "score" / "shards")["score"].to_pylist() == expected_scores(total)
     assert not (run.root / "_scratch" / "score").exists(), "scratch shards are moved, not copied"
-    again = sharded_stage(run, "score", tmp_path / "in", LengthScoreUDF, {}, **kwargs)
+    again = sharded_stage(run, "score", tmp_path / "in", LengthScoreUDF, {}, pool, **kwargs)
     assert again["finished"] == record["finished"], "a current stage is skipped"
 
 
-def test_a_warm_worker_builds_a_udf_once_per_class_and_arguments(tmp_path):
-    from raycurate.stages.warm_pool import WarmShardWorker
-
-    worker = WarmShardWorker()
-    first = worker.udf_for(LengthScoreUDF, {"scale": 2})
-    assert worker.udf_for(LengthScoreUDF, {"scale": 2}) is first
-    assert worker.udf_for(LengthScoreUDF, {"scale": 3}) is not first
-    assert worker.stats()["builds"] == 2 and worker.stats()["holding"]
-    worker.release()
-    assert not worker.stats()["holding"]
-    total = write_input(tmp_path / "in", [12])
-    files = list_input_files(tmp_path / "in")
-    (tmp_path / "out").mkdir()
-    marker = worker.process(LengthScoreUDF, {"scale": 2}, files, str(tmp_path / "out"), "k", None, Shard(0, 0, total))
-    assert marker["rows"] == total and worker.stats()["builds"] == 3
-    assert read_parts(tmp_path / "out")["score"].to_pylist() == expected_scores(total, 2)
-
-
-@pytest.mark.ray
-def test_a_warm_pool_keeps_its_processes_and_model_across_maps(pickled_tests, tmp_path):
-    """Maps on a WarmPool give the parts of a cold pool; a second map with the same UDF and arguments builds
-    nothing, other arguments rebuild, release drops the UDFs, and the processes stay the same throughout."""
-    from raycurate.stages.warm_pool import WarmPool
-
-    total = write_input(tmp_path / "in", [23, 17])
-    common = dict(shard_rows=10, num_actors=2, num_cpus_per_actor=0.5, progress=False)
-    sharded_map(tmp_path / "in", tmp_path / "cold", LengthScoreUDF, {"scale": 2}, **common)
-    cold = read_parts(tmp_path / "cold" / "shards")
-    with WarmPool(2, 0.5) as pool:
-        sharded_map(tmp_path / "in", tmp_path / "w1", LengthScoreUDF, {"scale": 2}, pool=pool, **common)
-        before = pool.stats()
-        assert sum(s["builds"] for s in before) == 2  # 4 shards on 2 actors: one UDF each
-        sharded_map(tmp_path / "in", tmp_path / "w2", LengthScoreUDF, {"scale": 2}, pool=pool, **common)
-        assert pool.stats() == before  # same processes, nothing rebuilt
-        metrics = sharded_map(tmp_path / "in", tmp_path / "w3", LengthScoreUDF, {"scale": 3}, pool=pool, **common)
-        after = pool.stats()
-        assert [s["pid"] for s in after] == [s["pid"] for s in before] and sum(s["builds"] for s in after) == 4
-        pool.release()
-        assert not any(s["holding"] for s in pool.stats())
-    assert pool.actors == []
-    assert read_parts(tmp_path / "w1" / "shards").equals(cold) and read_parts(tmp_path / "w2" / "shards").equals(cold)
-    assert metrics["rows"] == total
-    assert read_parts(tmp_path / "w3" / "shards")["score"].to_pylist() == expected_scores(total, 3)
-
-
-def test_sharded_map_needs_ray_started_by_init_ray(tmp_path, monkeypatch):
+def test_a_sharded_map_needs_ray_started_by_init_ray(tmp_path, monkeypatch):
     import ray
 
     write_input(tmp_path / "in", [4])
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match="init_ray"):
-        sharded_map(tmp_path / "in", tmp_path / "out", LengthScoreUDF, {}, shard_rows=2, num_actors=1,
-                    num_cpus_per_actor=1)
+        map_shards(tmp_path / "in", tmp_path / "out", LengthScoreUDF, {}, shard_rows=2, num_actors=1,
+                   num_cpus_per_actor=1)
 
 
 @pytest.mark.ray
@@ -333,8 +299,8 @@ def test_a_shard_that_keeps_failing_raises_naming_it_and_keeps_finished_shards(p
     write_input(tmp_path / "in", [10])
     message = r"part-0000\d \(input rows \[\d+, \d+\)\) failed after all retries; .* re-run to resume"
     with pytest.raises(ShardFailed, match=message):
-        sharded_map(tmp_path / "in", tmp_path / "out", AlwaysFailsUDF, {}, shard_rows=5, num_actors=1,
-                    num_cpus_per_actor=0.5, max_restarts=0, max_task_retries=1, progress=False)
+        map_shards(tmp_path / "in", tmp_path / "out", AlwaysFailsUDF, {}, shard_rows=5, num_actors=1,
+                   num_cpus_per_actor=0.5, max_restarts=0, max_task_retries=1, progress=False)
     assert not list((tmp_path / "out" / "shards").glob("*.done"))
 
 
@@ -344,19 +310,18 @@ CHILD = textwrap.dedent("""
     import ray.cloudpickle
     import test_sharded
     from raycurate.stages.runtime import init_ray
-    from raycurate.stages.sharded import sharded_map
 
     ray.cloudpickle.register_pickle_by_value(test_sharded)
     init_ray(num_cpus=2, temp_dir={ray_dir!r})
-    metrics = sharded_map({input!r}, {out!r}, test_sharded.LengthScoreUDF,
-                          {{"calls_dir": {calls!r}, "sleep_s": 0.3}}, shard_rows=8, num_actors=2,
-                          num_cpus_per_actor=0.5, progress=False)
+    metrics = test_sharded.map_shards({input!r}, {out!r}, test_sharded.LengthScoreUDF,
+                                      {{"calls_dir": {calls!r}, "sleep_s": 0.3}}, shard_rows=8, num_actors=2,
+                                      num_cpus_per_actor=0.5)
     print("METRICS " + json.dumps(metrics))
 """)
 
 
 def run_child(tmp_path: Path, out: Path, calls: Path, kill_after_shards: int | None = None) -> dict | None:
-    """Run sharded_map in a fresh process (own Ray); optionally SIGKILL its process group after k markers."""
+    """Run a sharded map in a fresh process (own Ray); optionally SIGKILL its process group after k markers."""
     calls.mkdir(parents=True, exist_ok=True)
     ray_dir = tempfile.mkdtemp(prefix="rcsh", dir="/tmp")  # short: Ray's socket paths are length-limited
     script = tmp_path / f"child-{uuid.uuid4().hex[:6]}.py"
@@ -420,8 +385,8 @@ def test_killed_run_resumes_recomputing_only_unfinished_shards(pickled_tests, tm
     assert recomputed == set(shard_of.values()) - done_before, "only the unfinished shards are recomputed"
     assert all((out / "shards" / f"{n}.done").stat().st_mtime_ns == t for n, t in mtimes.items())
 
-    sharded_map(tmp_path / "in", tmp_path / "reference", LengthScoreUDF, {}, shard_rows=8, num_actors=2,
-                num_cpus_per_actor=0.5, progress=False)
+    map_shards(tmp_path / "in", tmp_path / "reference", LengthScoreUDF, {}, shard_rows=8, num_actors=2,
+               num_cpus_per_actor=0.5, progress=False)
     resumed_rows = read_parts(out / "shards")
     assert resumed_rows[ROW_INDEX].to_pylist() == list(range(total))
     assert resumed_rows.to_pylist() == read_parts(tmp_path / "reference" / "shards").to_pylist()
@@ -430,17 +395,17 @@ def test_killed_run_resumes_recomputing_only_unfinished_shards(pickled_tests, tm
 def test_in_process_map_writes_the_same_parts_and_resumes_without_ray(tmp_path):
     """in_process=True (bridge_select on small inputs): same plan, parts and markers as the actor pool, no Ray."""
     total = write_input(tmp_path / "in", [23, 17])
-    first = sharded_map(tmp_path / "in", tmp_path / "out", LengthScoreUDF, {"scale": 3}, shard_rows=10,
-                        num_actors=0, num_cpus_per_actor=1, progress=False, in_process=True)
+    first = map_shards(tmp_path / "in", tmp_path / "out", LengthScoreUDF, {"scale": 3}, shard_rows=10,
+                       num_actors=0, num_cpus_per_actor=1, progress=False, in_process=True)
     assert first["shards_computed"] == 4 and first["rows"] == total
     out = read_parts(tmp_path / "out" / "shards")
     assert out[ROW_INDEX].to_pylist() == list(range(total))
     assert out["score"].to_pylist() == expected_scores(total, 3)
     (tmp_path / "out" / "shards" / "part-00001.done").unlink()
-    again = sharded_map(tmp_path / "in", tmp_path / "out", LengthScoreUDF, {"scale": 3}, shard_rows=10,
-                        num_actors=0, num_cpus_per_actor=1, progress=False, in_process=True)
+    again = map_shards(tmp_path / "in", tmp_path / "out", LengthScoreUDF, {"scale": 3}, shard_rows=10,
+                       num_actors=0, num_cpus_per_actor=1, progress=False, in_process=True)
     assert (again["shards_skipped"], again["shards_computed"]) == (3, 1)
     assert read_parts(tmp_path / "out" / "shards").equals(out)
     with pytest.raises(ValueError, match="num_actors"):
-        sharded_map(tmp_path / "in", tmp_path / "x", LengthScoreUDF, {}, shard_rows=10, num_actors=0,
-                    num_cpus_per_actor=1)
+        map_shards(tmp_path / "in", tmp_path / "x", LengthScoreUDF, {}, shard_rows=10, num_actors=0,
+                   num_cpus_per_actor=1)

@@ -1,7 +1,7 @@
 """The actor-pool section shared by every Ray Data stage's config.
 
 It is a plain dataclass, kept in the config layer so config sections can embed it without importing stages;
-:func:`raycurate.stages.ray_data.resolve_pool` turns it into concrete per-actor resources.
+:func:`raycurate.stages.executor.resolve_pool` turns it into concrete per-actor resources.
 """
 
 from __future__ import annotations

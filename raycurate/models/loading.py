@@ -96,8 +96,9 @@ def adapter_base(path: str | os.PathLike) -> str | None:
 
 
 #: Checkpoints whose weights (an adapter's base included) are at most this many bytes count as small: their
-#: evaluation tasks reuse warm worker processes (:mod:`raycurate.stages.warm_tasks`).  SmolLM2-135M's bf16 weights
-#: are 270 MB; the embedded and tiny models are a few MB.
+#: evaluation tasks reuse warm worker processes (``warm=True`` in
+#: :func:`raycurate.stages.executor.map_model_over_rows`).  SmolLM2-135M's bf16 weights are 270 MB; the embedded and
+#: tiny models are a few MB.
 SMALL_CHECKPOINT_BYTES = 64 * 2**20
 
 

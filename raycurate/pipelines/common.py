@@ -135,7 +135,7 @@ def open_run(cfg: JobConfig) -> RunDir:
     """Check the job's inputs, create ``<runs_dir>/<name>`` (for a storage URI: its local mirror, pulled from the
     URI) holding its writer lock, save the resolved config (credentials redacted), start Ray and configure Ray
     Data (progress bars follow ``run.progress``)."""
-    from raycurate.stages.ray_data import configure_data_context
+    from raycurate.stages.executor import configure_data_context
     from raycurate.stages.runtime import init_ray
 
     check_job_inputs(cfg)

@@ -18,7 +18,7 @@ from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage, scratch_dir
 from raycurate.stages.data_stages import TRUSTED_TOKENS
-from raycurate.stages.ray_data import resolve_pool
+from raycurate.stages.executor import ShardedInput, map_model_over_rows, resolve_pool
 from raycurate.stages.runtime import run_as_task
 
 if TYPE_CHECKING:
@@ -279,16 +279,16 @@ def score_stage(run: RunDir, *, tokens_stage: str, warmup_stage: str, direction_
         settings = type(settings)(prompt_proxy=settings.prompt_proxy)  # them out of the shard plan key (resume)
 
     def body(out: Path) -> StageOutput:
-        from raycurate.stages.sharded import SHARDS_DIR, sharded_map
+        from raycurate.stages.sharded import SHARDS_DIR
 
         pool = resolve_pool(pool_cfg)
         scratch = scratch_dir(run, "bridge_score")  # finished shards survive a killed job
-        shard_metrics = sharded_map(str(tokens), scratch, BridgeScoreUDF, {
+        shards = ShardedInput(str(tokens), scratch, pool_cfg.shard_rows)
+        shard_metrics = map_model_over_rows(shards, BridgeScoreUDF, {
             "model_dir": str(model_dir), "direction_path": str(direction), "routing_layer": bridge_cfg.routing_layer,
             "settings": settings, "micro_batch": bridge_cfg.micro_batch,
             "threads": max(1, int(round(pool.num_cpus))), "score_dtype": bridge_cfg.score_dtype,
-        }, shard_rows=pool_cfg.shard_rows, num_actors=pool.num_actors, num_cpus_per_actor=pool.num_cpus,
-            num_gpus_per_actor=pool.num_gpus, batch_rows=pool.batch_size, progress=progress)
+        }, pool, progress=progress)
         os.replace(scratch / SHARDS_DIR, out / "scores")
         metrics = {"rows": shard_metrics["rows"], "rows_scored": shard_metrics["rows_computed"],
                    "score_dtype": bridge_cfg.score_dtype,
@@ -317,7 +317,7 @@ def select_stage(run: RunDir, *, score_stage_name: str, bridge_cfg: BridgeConfig
     settings = selection_settings(bridge_cfg)
 
     def body(out: Path) -> StageOutput:
-        from raycurate.stages.sharded import SHARDS_DIR, list_input_files, sharded_map
+        from raycurate.stages.sharded import SHARDS_DIR, list_input_files
 
         actors = bridge_cfg.select_actors
         if actors is None:
@@ -325,10 +325,9 @@ def select_stage(run: RunDir, *, score_stage_name: str, bridge_cfg: BridgeConfig
             actors = 0 if rows <= SELECT_IN_PROCESS_ROWS else pool_cfg.num_actors
         pool = resolve_pool(dataclasses.replace(pool_cfg, gpus_per_actor=0, num_actors=max(actors, 1)))
         scratch = scratch_dir(run, stage)
-        shard_metrics = sharded_map(str(scores), scratch, BridgeSelectUDF, {"settings": settings},
-                                    shard_rows=pool_cfg.shard_rows, num_actors=pool.num_actors,
-                                    num_cpus_per_actor=pool.num_cpus, num_gpus_per_actor=0,
-                                    batch_rows=pool.batch_size, progress=progress, in_process=actors == 0)
+        shard_metrics = map_model_over_rows(
+            ShardedInput(str(scores), scratch, pool_cfg.shard_rows, in_process=actors == 0), BridgeSelectUDF,
+            {"settings": settings}, pool, progress=progress)
         if settings.budget == "corpus":
             apply_corpus_budget(scratch / SHARDS_DIR, settings)
         os.replace(scratch / SHARDS_DIR, out / "selection")

@@ -276,13 +276,13 @@ def baseline_masks_stage(run: RunDir, stage: str, *, method: str, selection_stag
             import ray.data
 
             from raycurate.config.pool import ActorPoolConfig
-            from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
+            from raycurate.stages.executor import map_model_over_rows, resolve_pool
 
             ray.data.DataContext.get_current().execution_options.preserve_order = True
             pool = resolve_pool(pool_cfg or ActorPoolConfig(batch_size=16))
             parts = [str(p) for p in sorted(source.glob("*.parquet"))]  # the folder also holds shard markers
             ds = ray.data.read_parquet(parts).select_columns(keep_cols)
-            ds = map_with_actor_pool(ds, TokenLossUDF, {
+            ds = map_model_over_rows(ds, TokenLossUDF, {
                 "base_dir": str(output_path(run, base_stage, "model")),
                 "reference_dir": str(output_path(run, warmup_stage, "model")), "method": method,
                 "rho_p": bridge_cfg.rho_p, "rho_r": bridge_cfg.rho_r, "threads": max(1, int(round(pool.num_cpus))),

@@ -11,7 +11,7 @@ from raycurate.config.data import DataConfig
 from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage
-from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
+from raycurate.stages.executor import map_model_over_rows, resolve_pool
 from raycurate.stages.sharded import apply_udf, list_input_files
 
 log = logging.getLogger("raycurate")
@@ -369,7 +369,7 @@ def tokenize_stage(run: RunDir, *, accepted_stage: str, tokenizer_stage: str, ma
             tokenize_files([f.path for f in files], TokenizeUDF(**udf_kwargs), pool_cfg.batch_size, out / "_all")
         else:
             ray.data.DataContext.get_current().execution_options.preserve_order = True
-            ds = map_with_actor_pool(ray.data.read_parquet(str(accepted)), TokenizeUDF, udf_kwargs,
+            ds = map_model_over_rows(ray.data.read_parquet(str(accepted)), TokenizeUDF, udf_kwargs,
                                      resolve_pool(pool_cfg))
             ds.write_parquet(str(out / "_all"))
         (out / "_all").mkdir(exist_ok=True)  # Ray writes no folder when every row was dropped

@@ -13,6 +13,7 @@ from raycurate.algorithms.dedup import cluster_duplicates, duplicate_pairs, minh
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, run_stage
 from raycurate.stages.bridge import read_token_rows
+from raycurate.stages.executor import dataset_from_rows, map_model_over_rows
 
 DUPLICATES_FILE = "duplicates.parquet"
 
@@ -39,7 +40,6 @@ def dedup_stage(run: RunDir, stage: str, *, tokens_stage: str, split_column: str
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import ray
 
     def body(out: Path) -> StageOutput:
         source = output_path(run, tokens_stage, "tokens")
@@ -59,8 +59,8 @@ def dedup_stage(run: RunDir, stage: str, *, tokens_stage: str, split_column: str
         # "example" pairs share a response: bucket by the responses' signatures, verify prompts and responses
         hashed = [r["response"] for r in rows] if measure == "example" else texts
         items = [{"row": i, "text": t} for i, t in enumerate(hashed)]
-        signed = ray.data.from_items(items).map_batches(
-            _signature_batch, fn_kwargs={"num_perm": num_perm, "seed": seed}, batch_format="numpy").take_all()
+        signed = map_model_over_rows(dataset_from_rows(items), _signature_batch, {"num_perm": num_perm, "seed": seed},
+                                     None, batch_format="numpy").take_all()  # a function on Ray Data's tasks
         signatures = np.empty((len(rows), num_perm), dtype=np.uint64)
         for item in signed:
             signatures[int(item["row"])] = item["signature"]

@@ -15,8 +15,7 @@ from raycurate.config.train import TrainConfig
 from raycurate.errors import UserError
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage, scratch_dir, stage_hash
-from raycurate.stages.ray_data import progress_bars_enabled, resolve_pool
-from raycurate.stages.warm_tasks import map_rows_on_tasks
+from raycurate.stages.executor import map_model_over_rows, progress_bars_enabled, resolve_pool
 
 log = logging.getLogger("raycurate")
 
@@ -290,14 +289,14 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
 
         rows = [json.loads(line) for line in heldout.read_text().splitlines() if line.strip()]
         pool = resolve_pool(eval_cfg.pool)
-        # Tasks, not a Ray Data actor pool: the run's evaluations reuse warm worker processes (imports paid once).
-        predictions = map_rows_on_tasks(
+        # In-memory rows: the executor's task back-end, warm for small models (the run's imports paid once).
+        predictions = map_model_over_rows(
             rows, EvaluateUDF,
             {"model_dir": str(model_dir), "max_length": max_length, "max_new_tokens": eval_cfg.max_new_tokens,
              "batch_size": eval_cfg.batch_size, "threads": max(1, int(round(pool.num_cpus))),
              "samples": eval_cfg.samples, "temperature": eval_cfg.temperature, "seed": eval_cfg.seed,
              "stage": stage, "system_prompt": system_prompt, "dtype": eval_cfg.dtype},
-            pool, progress=progress_bars_enabled(), reuse_workers=is_small_checkpoint(str(model_dir)),
+            pool, progress=progress_bars_enabled(), warm=is_small_checkpoint(str(model_dir)),
         )
         result = pa.Table.from_pylist(predictions).sort_by("id")
         pq.write_table(result, out / "predictions.parquet")

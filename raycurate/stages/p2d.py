@@ -18,7 +18,7 @@ from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage
 from raycurate.stages.bridge import read_token_rows
-from raycurate.stages.ray_data import dataset_from_rows, map_with_actor_pool, resolve_pool
+from raycurate.stages.executor import dataset_from_rows, map_model_over_rows, resolve_pool
 from raycurate.stages.rows import clean_labels, corruption_kinds, precision, score_separation, seeded_sample, token_ids
 from raycurate.stages.runtime import run_as_task
 
@@ -341,7 +341,7 @@ def probe_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, he
         plan = probe_plan(token_ids(run, pool_stage), p2d_cfg, query_ids)
         pool = resolve_pool(pool_cfg)
         ds = dataset_from_rows(plan, pool.batch_size)
-        ds = map_with_actor_pool(ds, IclProbeUDF, {
+        ds = map_model_over_rows(ds, IclProbeUDF, {
             "model_dir": str(model_dir), "tokens_dir": str(tokens), "heads": selected_heads(run, heads_stage_name),
             "instruction": p2d_cfg.instruction, "query_score": p2d_cfg.query_score,
             "max_prompt_tokens": p2d_cfg.max_prompt_tokens, "max_new_tokens": max_new_tokens,
@@ -510,7 +510,7 @@ def ifd_select_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: st
         pool = resolve_pool(pool_cfg)
         ds = ray.data.read_parquet(str(output_path(run, pool_stage, "tokens"))).select_columns(
             ["id", "input_ids", "prompt_len"])
-        ds = map_with_actor_pool(ds, IfdUDF, {"model_dir": str(output_path(run, base_stage, "model")),
+        ds = map_model_over_rows(ds, IfdUDF, {"model_dir": str(output_path(run, base_stage, "model")),
                                               "threads": max(1, int(round(pool.num_cpus))), "stage": stage}, pool)
         scores = {r["id"]: r["ifd"] for r in ds.select_columns(["id", "ifd"]).take_all()}
         ids = sorted(scores)

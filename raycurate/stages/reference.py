@@ -15,7 +15,7 @@ from typing import Any
 from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
 from raycurate.stages.base import StageOutput, output_path, require_columns, run_stage
-from raycurate.stages.ray_data import map_with_actor_pool, resolve_pool
+from raycurate.stages.executor import map_model_over_rows, resolve_pool
 
 log = logging.getLogger("raycurate")
 
@@ -98,7 +98,7 @@ def reference_scores_stage(run: RunDir, stage: str, *, pool_stage: str, base_sta
         pool = resolve_pool(pool_cfg)
         ds = ray.data.read_parquet(str(output_path(run, pool_stage, "tokens"))).select_columns(
             ["id", "input_ids", "loss_mask"])
-        ds = map_with_actor_pool(ds, ReferenceLossUDF, {
+        ds = map_model_over_rows(ds, ReferenceLossUDF, {
             "base_dir": str(output_path(run, base_stage, "model")),
             "reference_dir": str(output_path(run, reference_stage, "model")),
             "threads": max(1, int(round(pool.num_cpus))), "stage": stage}, pool)

@@ -1,37 +1,15 @@
-"""Fault-tolerant, shard-resumable map over a parquet input (scoring-style stages at millions of rows).
+"""Shards of a parquet input: the plan, part and marker files and resume rules of the executor's sharded maps.
 
-The input (one parquet file, or a folder of them read in file-name order) is cut into shards of ``shard_rows``
-consecutive rows by global row index.  A pool of Ray actors, each holding one ``udf_cls(**ctor_kwargs)``, reads
-its shard's rows straight from the input files, applies the UDF and writes, atomically (temp file +
-``os.replace``)::
-
-    <out_dir>/shards/part-00000.parquet   the UDF output plus a ``row_index`` column (global input row index)
-    <out_dir>/shards/part-00000.done      {"shard", "rows", "input_rows": [start, stop], "sha256", "plan", ...}
-
-A marker is written only after its part file is in place, so a marker means a complete part.  A re-run skips
-every shard whose marker is valid (same plan key, same row range, part file present with the recorded sha256)
-and recomputes the rest; the plan key covers the input files (name, rows, size, mtime), ``shard_rows`` and the
-UDF with its constructor arguments, so a changed input or UDF recomputes everything.  At the end the parts must
-cover every input row exactly once, in order, or :class:`ShardCoverageError` is raised.
-
-Failures: actors restart up to ``max_restarts`` times (a crashed worker process), and a shard task is retried up
-to ``max_task_retries`` times, on an exception raised by the UDF as well as after a crash.  The driver keeps at
-most two shards in flight per actor and receives only the small marker dicts, so its memory does not grow with
-the input.
-
-The UDF contract: ``udf(table: pyarrow.Table) -> pyarrow.Table`` with exactly one output row per input row, in
-input order (a scorer appends columns).  Output order and content are therefore independent of which actor ran
-which shard, and a resumed run's parts equal an uninterrupted run's, row by row.
-
-Resume across a killed job needs ``out_dir`` outside :func:`~raycurate.stages.base.run_stage`'s temporary stage
-folder (which a failed stage deletes): :func:`sharded_stage` keeps the shards in the stage's scratch folder and
-moves them into the stage folder when every shard is done.  ``out_dir`` must be on a filesystem every actor can
-write (a local path on one machine; a shared POSIX mount such as NFS/EFS/FSx on a cluster).
+The input (a parquet file, or a folder read in file-name order) is cut into shards of ``shard_rows`` rows by global
+row index; a :class:`ShardWorker` (one UDF instance) reads a shard straight from the input files and writes, each
+atomically, ``<out_dir>/shards/part-00000.parquet`` (the UDF output + ``row_index``) and then its ``.done`` marker.
+A re-run skips every shard whose marker is valid (same plan key: input files, ``shard_rows``, UDF and arguments).
+No Ray here: :func:`raycurate.stages.executor.map_model_over_rows` schedules the shards on its actors; the format,
+the failure handling and the resume rules are in ``docs/design.md``, "One executor for maps".
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import json
@@ -49,7 +27,6 @@ log = logging.getLogger("raycurate")
 
 ROW_INDEX = "row_index"
 SHARDS_DIR = "shards"
-_IN_FLIGHT_PER_ACTOR = 2  # one running, one queued: the actor never waits for the driver
 
 
 class ShardCoverageError(RuntimeError):
@@ -112,7 +89,7 @@ def list_input_files(input_path: str | os.PathLike) -> list[InputFile]:
     elif path.is_file():
         paths = [path]
     else:
-        raise FileNotFoundError(f"sharded_map input {path} does not exist")
+        raise FileNotFoundError(f"sharded map input {path} does not exist")
     files = []
     for p in paths:
         stat = p.stat()
@@ -266,7 +243,7 @@ def apply_udf(udf: Any, table: Any, batch_rows: int | None) -> Any:
         out = udf(batch)
         if out.num_rows != batch.num_rows:
             raise ValueError(f"{type(udf).__name__} returned {out.num_rows} rows for a batch of {batch.num_rows}; "
-                             "a sharded_map UDF must return exactly one row per input row, in order")
+                             "a sharded map UDF must return exactly one row per input row, in order")
         outputs.append(out)
     if not outputs:
         return udf(table)
@@ -355,142 +332,8 @@ def verify_coverage(shards_dir: str | os.PathLike, shards: list[Shard], total_ro
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The map
+# A sharded map as a run stage
 # ----------------------------------------------------------------------------------------------------------
-
-
-def sharded_map(
-    input_path: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    udf_cls: type,
-    ctor_kwargs: dict,
-    *,
-    shard_rows: int,
-    num_actors: int,
-    num_cpus_per_actor: float,
-    num_gpus_per_actor: float = 0,
-    max_restarts: int = 3,
-    max_task_retries: int = 3,
-    batch_rows: int | None = None,
-    progress: bool = True,
-    in_process: bool = False,
-    pool: Any = None,
-) -> dict:
-    """Map ``udf_cls`` over a parquet input shard by shard on a Ray actor pool, resuming finished shards.
-
-    Ray must already be initialised (:func:`raycurate.stages.runtime.init_ray`).
-
-    Args:
-        input_path: Parquet file or folder of parquet files (read in file-name order).
-        out_dir: Output folder; parts and markers go to ``<out_dir>/shards/``.  Keep it between runs to resume.
-        udf_cls: Callable class ``udf_cls(**ctor_kwargs)(pyarrow.Table) -> pyarrow.Table``, one output row per
-            input row, in order.  Must be importable (or pickled by value) on the workers.
-        ctor_kwargs: Constructor arguments (JSON-able: they are part of the plan key).
-        shard_rows: Input rows per shard (the unit of resume).
-        num_actors: Actors in the pool (one UDF instance each).
-        num_cpus_per_actor: CPUs per actor.
-        num_gpus_per_actor: GPUs per actor.
-        max_restarts: Restarts of a crashed actor.
-        max_task_retries: Retries of a shard task (after a crash or a UDF exception).
-        batch_rows: Rows per UDF call inside a shard (None: the whole shard at once).
-        progress: Show a progress bar over shards.
-        in_process: Run the shards one after another in this process (one UDF instance, no actors, Ray not
-            needed; same plan, markers, parts and resume).  For cheap CPU UDFs on inputs small enough that
-            starting worker processes (Python + torch imports) costs more than the map.
-        pool: A :class:`~raycurate.stages.warm_pool.WarmPool` whose actors map the shards instead of a pool started
-            for this map and killed after it: they keep their processes, and the UDF (its model) from an earlier
-            map with the same UDF and arguments.  Its first ``num_actors`` actors are used; its own reservations
-            apply (``num_cpus_per_actor`` / ``num_gpus_per_actor`` / ``max_restarts`` are the pool's).
-
-    Returns:
-        Metrics: ``{shards, shards_skipped, shards_computed, rows, rows_computed, seconds, rows_per_s, plan,
-        shards_dir}``.
-
-    Raises:
-        ShardFailed: A shard failed after all retries (finished shards stay; re-run to resume).
-        ShardCoverageError: The parts do not account for every input row exactly once.
-    """
-    import ray
-    from tqdm import tqdm
-
-    if num_actors < 1 and not in_process:
-        raise ValueError(f"num_actors must be >= 1, got {num_actors}")
-    if not in_process and not ray.is_initialized():
-        raise RuntimeError("sharded_map needs a running Ray: call raycurate.stages.runtime.init_ray() first")
-    started = time.perf_counter()
-    files = list_input_files(input_path)
-    total_rows = sum(f.rows for f in files)
-    shards = plan_shards(total_rows, shard_rows)
-    key = plan_key(files, shard_rows, udf_cls, ctor_kwargs)
-    shards_dir = Path(out_dir) / SHARDS_DIR
-    done = prepare_shards_dir(shards_dir, shards, key)
-    todo = collections.deque(s for s in shards if s.index not in done)
-    log.info("sharded_map %s: %d rows, %d shards (%d done, %d to compute), %s", udf_cls.__name__, total_rows,
-             len(shards), len(done), len(todo), "in process" if in_process else
-             f"{len(pool.actors)} warm actors" if pool is not None else
-             f"{num_actors} actors x ({num_cpus_per_actor:.2f} CPU, {num_gpus_per_actor:.2f} GPU)")
-
-    bar = tqdm(total=len(shards), initial=len(done), desc=f"{udf_cls.__name__} shards", unit="shard",
-               disable=not progress)
-    actors: list = []
-    try:
-        if in_process:
-            worker = ShardWorker(udf_cls, ctor_kwargs, files, str(shards_dir), key, batch_rows) if todo else None
-            while worker is not None and todo:
-                worker.process(todo.popleft())
-                bar.update(1)
-        elif pool is not None:
-            args = (udf_cls, ctor_kwargs, files, str(shards_dir), key, batch_rows)
-            _run_pool(pool.actors[:min(num_actors, len(todo))], todo, bar,
-                      lambda actor, shard: actor.process.options(retry_exceptions=True).remote(*args, shard))
-        else:
-            actor_cls = ray.remote(num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor,
-                                   max_restarts=max_restarts, max_task_retries=max_task_retries)(ShardWorker)
-            actors = [actor_cls.remote(udf_cls, ctor_kwargs, files, str(shards_dir), key, batch_rows)
-                      for _ in range(min(num_actors, max(len(todo), 1)))] if todo else []
-            _run_pool(actors, todo, bar,
-                      lambda actor, shard: actor.process.options(retry_exceptions=True).remote(shard))
-    finally:
-        bar.close()
-        for actor in actors:  # a warm pool's actors stay: the pool's owner closes it
-            ray.kill(actor)
-    verify_coverage(shards_dir, shards, total_rows)
-    seconds = time.perf_counter() - started
-    rows_computed = total_rows - sum(s.rows for s in shards if s.index in done)
-    return {"shards": len(shards), "shards_skipped": len(done), "shards_computed": len(shards) - len(done),
-            "rows": total_rows, "rows_computed": rows_computed, "seconds": round(seconds, 3),
-            "rows_per_s": round(rows_computed / seconds, 1) if seconds > 0 else 0.0, "plan": key,
-            "shards_dir": str(shards_dir)}
-
-
-def _run_pool(actors: list, todo: collections.deque, bar: Any, call: Any) -> None:
-    """Keep every actor busy with up to ``_IN_FLIGHT_PER_ACTOR`` shards until ``todo`` is empty;
-    ``call(actor, shard)`` submits one shard and returns its object ref."""
-    import ray
-    from ray.exceptions import RayActorError, RayTaskError
-
-    in_flight: dict[Any, tuple[Shard, Any]] = {}
-
-    def submit(actor: Any) -> None:
-        shard = todo.popleft()
-        in_flight[call(actor, shard)] = (shard, actor)
-
-    for _ in range(_IN_FLIGHT_PER_ACTOR):
-        for actor in actors:
-            if todo:
-                submit(actor)
-    while in_flight:
-        ready, _ = ray.wait(list(in_flight), num_returns=1)
-        shard, actor = in_flight.pop(ready[0])
-        try:
-            ray.get(ready[0])
-        except (RayActorError, RayTaskError) as exc:
-            raise ShardFailed(f"shard {shard.name} (input rows [{shard.start}, {shard.stop})) failed after all "
-                              "retries; finished shards are kept, so fix the cause and re-run to resume. "
-                              f"Cause: {exc}") from exc
-        bar.update(1)
-        if todo:
-            submit(actor)
 
 
 def sharded_stage(
@@ -499,13 +342,16 @@ def sharded_stage(
     input_path: str | os.PathLike,
     udf_cls: type,
     ctor_kwargs: dict,
+    resources: Any,
     *,
+    shard_rows: int,
     config: Any,
     upstream: list[str],
     force: bool = False,
-    **map_kwargs: Any,
+    progress: bool = True,
 ) -> dict:
-    """:func:`sharded_map` as a resumable run stage; outputs ``<stage>/shards`` (parts + markers).
+    """A sharded map (:func:`raycurate.stages.executor.map_model_over_rows` of a ``ShardedInput``) as a resumable
+    run stage; outputs ``<stage>/shards`` (parts + markers).
 
     Shards are computed in ``_scratch/<stage>/shards`` (which survives a killed job) and moved into the stage
     folder once all are done, so a re-run after a kill recomputes only the unfinished shards.
@@ -514,27 +360,32 @@ def sharded_stage(
         run: The run directory.
         stage: Stage name.
         input_path: Parquet file or folder (usually an upstream stage's output).
-        udf_cls: See :func:`sharded_map`.
-        ctor_kwargs: See :func:`sharded_map`.
+        udf_cls: Callable class, one output row per input row, in order.
+        ctor_kwargs: Its constructor arguments (JSON-able).
+        resources: The map's :class:`~raycurate.stages.executor.PoolResources`.
+        shard_rows: Input rows per shard (the unit of resume).
         config: Everything that changes the result besides the UDF and input (hashed by ``run_stage``).
         upstream: Stages whose outputs are read.
         force: Re-run even when current (finished shards in scratch are still reused when the plan matches).
-        **map_kwargs: Keyword arguments of :func:`sharded_map` (``shard_rows``, ``num_actors``, ...).
+        progress: Progress bar over shards.
 
     Returns:
         The stage's manifest record.
     """
+    from raycurate.stages.executor import ShardedInput, map_model_over_rows
+
     scratch = scratch_dir(run, stage)
 
     def body(out: Path) -> StageOutput:
-        metrics = sharded_map(input_path, scratch, udf_cls, ctor_kwargs, **map_kwargs)
+        metrics = map_model_over_rows(ShardedInput(input_path, scratch, shard_rows), udf_cls, ctor_kwargs, resources,
+                                      progress=progress)
         os.replace(scratch / SHARDS_DIR, out / SHARDS_DIR)
         metrics["shards_dir"] = SHARDS_DIR
         return StageOutput(outputs={"shards": SHARDS_DIR}, metrics=metrics)
 
     record = run_stage(run, stage, body, config={"udf": udf_name(udf_cls),
                                                  "ctor_kwargs": ctor_kwargs, "config": config,
-                                                 "shard_rows": map_kwargs.get("shard_rows")},
+                                                 "shard_rows": shard_rows},
                        upstream=upstream, force=force)
     shutil.rmtree(scratch, ignore_errors=True)
     return record
