@@ -78,6 +78,18 @@ def _adamw(model: PreTrainedModel, lr: float, weight_decay: float) -> Any:
     return torch.optim.AdamW(decay_param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
+def _training_setup(model: PreTrainedModel, seed: int, lr: float, weight_decay: float,
+                    steps: int) -> tuple[torch.Generator, Any, int, torch.device]:
+    """(seeded generator, :func:`_adamw`, warm-up steps (5% of ``steps``), the model's device); puts the model in
+    training mode."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = _adamw(model, lr, weight_decay)
+    model.train()
+    return generator, optimizer, max(1, steps // 20), next(model.parameters()).device
+
+
 def _batches(n_blocks: int, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
     """Block indices per step: epochs of seeded permutations, ``batch_size`` indices at a time."""
     import torch
@@ -150,16 +162,11 @@ def pretrain_causal_lm(
     Returns:
         The training loss of every step (length ``steps``).
     """
-    import torch
     from tqdm.auto import tqdm
 
     blocks = pack_token_blocks(tokenizer, texts, max_len)  # (N, T)
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = _adamw(model, lr, weight_decay)
-    warmup = max(1, steps // 20)
-    device = next(model.parameters()).device
+    generator, optimizer, warmup, device = _training_setup(model, seed, lr, weight_decay, steps)
     losses: list[float] = []
-    model.train()
     with _torch_threads(num_threads):
         bar = tqdm(_batches(len(blocks), batch_size, steps, generator), total=steps, disable=not progress,
                    desc="pretrain", unit="step")
@@ -367,16 +374,11 @@ def pretrain_curriculum(
     Returns:
         The training loss of every step run (length ``steps``, or ``stop_after`` when smaller).
     """
-    import torch
 
     schedule = curriculum_schedule(steps, phases)
     stream = pack_token_blocks(tokenizer, texts, 1).flatten()  # (N,)
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = _adamw(model, lr, weight_decay)
-    warmup = max(1, steps // 20)
-    device = next(model.parameters()).device
+    generator, optimizer, warmup, device = _training_setup(model, seed, lr, weight_decay, steps)
     losses: list[float] = []
-    model.train()
     with _torch_threads(num_threads):
         for n_steps, max_len, batch_size in schedule:
             n_blocks = stream.numel() // max_len

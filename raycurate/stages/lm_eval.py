@@ -38,13 +38,16 @@ _UTILS_PY = '''"""lm-eval hooks for the raycurate held-out tasks (written by ray
 from raycurate.algorithms.eval_summary import heldout_exact_match, heldout_gold_loglikelihood  # noqa: F401
 '''
 
-_EXACT_MATCH_YAML = """\
+_TASK_HEAD = """\
 task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data_file}
 test_split: test
+"""
+
+_EXACT_MATCH_YAML = _TASK_HEAD + """\
 output_type: generate_until
 doc_to_text: prompt
 doc_to_target: answer
@@ -65,13 +68,7 @@ metadata:
   version: 1.0
 """
 
-_GOLD_LOGLIK_YAML = """\
-task: {task}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data_file}
-test_split: test
+_GOLD_LOGLIK_YAML = _TASK_HEAD + """\
 output_type: loglikelihood
 doc_to_text: prompt
 doc_to_target: response
