@@ -125,8 +125,7 @@ def pipeline(corpus: Path, run_root: Path, work: Path, shard_rows: int, actors: 
     from raycurate.rundir import RunDir
     from raycurate.stages.base import output_path
     from raycurate.stages.data_stages import ingest_stage
-    from raycurate.stages.executor import PoolResources
-    from raycurate.stages.sharded import sharded_stage
+    from raycurate.stages.executor import PoolResources, sharded_stage
 
     sampler = RssSampler()
     run = RunDir(run_root)

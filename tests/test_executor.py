@@ -119,7 +119,8 @@ OLD_RUNNERS = ("sharded_map(", "map_rows_on_tasks", "map_with_actor_pool", "Warm
 #: the generation pool's actors (held across a BMO loop's adapter steps, one ``generate`` call per step).
 RAY_REMOTE_ALLOWED = {"raycurate/stages/train.py", "raycurate/stages/runtime.py", "raycurate/stages/generation.py"}
 #: The stage modules that map a model (or a function) over rows.
-CALLERS = ("reference", "p2d", "data_stages", "bridge_compact", "bridge", "model_stages", "dedup", "sharded")
+# the stage modules that map rows (and the executor's own sharded_stage)
+CALLERS = ("reference", "p2d", "data_stages", "bridge_compact", "bridge", "model_stages", "dedup")
 
 
 def _python_files(*folders: str) -> list[Path]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from raycurate.stages.executor import PoolResources, ShardedInput, map_model_over_rows
+from raycurate.stages.executor import PoolResources, ShardedInput, map_model_over_rows, sharded_stage
 from raycurate.stages.sharded import (
     ROW_INDEX,
     InputFile,
@@ -35,7 +35,6 @@ from raycurate.stages.sharded import (
     plan_shards,
     prepare_shards_dir,
     read_row_range,
-    sharded_stage,
     verify_coverage,
 )
 

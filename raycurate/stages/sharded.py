@@ -15,13 +15,11 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from raycurate.rundir import RunDir, atomic_file, atomic_write_json
-from raycurate.stages.base import StageOutput, run_stage, scratch_dir
+from raycurate.rundir import atomic_file, atomic_write_json
 
 log = logging.getLogger("raycurate")
 
@@ -334,58 +332,3 @@ def verify_coverage(shards_dir: str | os.PathLike, shards: list[Shard], total_ro
 # ----------------------------------------------------------------------------------------------------------
 # A sharded map as a run stage
 # ----------------------------------------------------------------------------------------------------------
-
-
-def sharded_stage(
-    run: RunDir,
-    stage: str,
-    input_path: str | os.PathLike,
-    udf_cls: type,
-    ctor_kwargs: dict,
-    resources: Any,
-    *,
-    shard_rows: int,
-    config: Any,
-    upstream: list[str],
-    force: bool = False,
-    progress: bool = True,
-) -> dict:
-    """A sharded map (:func:`raycurate.stages.executor.map_model_over_rows` of a ``ShardedInput``) as a resumable
-    run stage; outputs ``<stage>/shards`` (parts + markers).
-
-    Shards are computed in ``_scratch/<stage>/shards`` (which survives a killed job) and moved into the stage
-    folder once all are done, so a re-run after a kill recomputes only the unfinished shards.
-
-    Args:
-        run: The run directory.
-        stage: Stage name.
-        input_path: Parquet file or folder (usually an upstream stage's output).
-        udf_cls: Callable class, one output row per input row, in order.
-        ctor_kwargs: Its constructor arguments (JSON-able).
-        resources: The map's :class:`~raycurate.stages.executor.PoolResources`.
-        shard_rows: Input rows per shard (the unit of resume).
-        config: Everything that changes the result besides the UDF and input (hashed by ``run_stage``).
-        upstream: Stages whose outputs are read.
-        force: Re-run even when current (finished shards in scratch are still reused when the plan matches).
-        progress: Progress bar over shards.
-
-    Returns:
-        The stage's manifest record.
-    """
-    from raycurate.stages.executor import ShardedInput, map_model_over_rows
-
-    scratch = scratch_dir(run, stage)
-
-    def body(out: Path) -> StageOutput:
-        metrics = map_model_over_rows(ShardedInput(input_path, scratch, shard_rows), udf_cls, ctor_kwargs, resources,
-                                      progress=progress)
-        os.replace(scratch / SHARDS_DIR, out / SHARDS_DIR)
-        metrics["shards_dir"] = SHARDS_DIR
-        return StageOutput(outputs={"shards": SHARDS_DIR}, metrics=metrics)
-
-    record = run_stage(run, stage, body, config={"udf": udf_name(udf_cls),
-                                                 "ctor_kwargs": ctor_kwargs, "config": config,
-                                                 "shard_rows": shard_rows},
-                       upstream=upstream, force=force)
-    shutil.rmtree(scratch, ignore_errors=True)
-    return record
