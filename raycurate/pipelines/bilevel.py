@@ -34,7 +34,7 @@ def split_rows(run: RunDir, cfg: JobConfig) -> bool:
     """The validation and candidate tables (and the clean candidates when labels exist); returns has-labels."""
     import pyarrow.compute as pc
 
-    from raycurate.stages.data_stages import filter_tokens_stage
+    from raycurate.stages.rows import filter_tokens_stage
 
     bilevel = cfg.bilevel
     labelled = has_labels(run, "tokenize")

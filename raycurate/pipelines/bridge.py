@@ -85,8 +85,9 @@ def run_bridge_core(run: RunDir, cfg: JobConfig) -> str:
     diagnostics).  Shared by :func:`run_bridge_selection` and the curate pipeline."""
     from raycurate.stages.bridge import direction_stage, score_stage, select_stage
     from raycurate.stages.bridge_compact import compact_stage
-    from raycurate.stages.data_stages import TRUSTED_TOKENS, filter_tokens_stage
+    from raycurate.stages.data_stages import TRUSTED_TOKENS
     from raycurate.stages.model_stages import train_stage
+    from raycurate.stages.rows import filter_tokens_stage
 
     bridge = cfg.bridge
     trusted = cfg.data.has_trusted()

@@ -181,10 +181,10 @@ def matched_arms(run: RunDir, cfg: JobConfig, pool: list[str], steps: dict[str, 
     """Each step alone over the whole pool, and seeded random rows, cut to ``budget`` response tokens.
 
     Returns:
-        ``{arm: (training-table stage, its metrics)}`` (stages of :func:`raycurate.stages.curate.subset_rows_stage`).
+        ``{arm: (training-table stage, its metrics)}`` (stages of :func:`raycurate.stages.rows.subset_rows_stage`).
     """
     from raycurate.algorithms.composition import ranked_ids, rows_until_tokens
-    from raycurate.stages.curate import response_tokens, subset_rows_stage
+    from raycurate.stages.rows import response_tokens, subset_rows_stage
 
     curate = cfg.curate
     tokens = response_tokens(run, "curate_pool_rows")
@@ -220,7 +220,7 @@ def matched_bridge(run: RunDir, cfg: JobConfig, pool: list[str], budget: int) ->
     from raycurate.algorithms.composition import matched_response_ratio
     from raycurate.stages.bridge import response_totals, select_stage
     from raycurate.stages.bridge_compact import compact_stage
-    from raycurate.stages.curate import subset_rows_stage
+    from raycurate.stages.rows import subset_rows_stage
 
     totals = response_totals(run, "bridge_select")
     rho_r = matched_response_ratio(budget, totals["eligible"], totals["fixed"])
@@ -260,9 +260,8 @@ def reference_models(run: RunDir, cfg: JobConfig) -> dict[str, dict]:
         ``{model: held-out metrics}`` for base, mixed and clean.
     """
     from raycurate.config.curate import POOL_SPLIT
-    from raycurate.stages.data_stages import filter_tokens_stage
     from raycurate.stages.model_stages import evaluate_stage, train_stage
-    from raycurate.stages.rows import clean_rows
+    from raycurate.stages.rows import clean_rows, filter_tokens_stage
 
     filter_tokens_stage(run, "curate_clean_rows", tokens_stage="curate_pool_rows",
                         description=f"split == {POOL_SPLIT} and label.clean == true", keep=clean_rows,
@@ -310,9 +309,7 @@ def compose_pool(run: RunDir, cfg: JobConfig) -> Composition:
     from raycurate.algorithms.composition import compose
     from raycurate.config.curate import POOL_SPLIT, TOKEN_STEPS
     from raycurate.pipelines.bridge import split_equals
-    from raycurate.stages.curate import subset_rows_stage
-    from raycurate.stages.data_stages import filter_tokens_stage
-    from raycurate.stages.rows import clean_labels, precision, token_ids
+    from raycurate.stages.rows import clean_labels, filter_tokens_stage, precision, subset_rows_stage, token_ids
 
     curate = cfg.curate
     filter_tokens_stage(run, "curate_pool_rows", tokens_stage="tokenize", description=f"split == {POOL_SPLIT}",

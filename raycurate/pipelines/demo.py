@@ -19,9 +19,8 @@ LM_EVAL_MODELS = ("base", "mixed", "clean", "curate", "bridge", "p2d", "bilevel_
 
 def run_demo(cfg: JobConfig) -> dict:
     """Run the demo pipeline; returns the final manifest (with ``results`` comparing the models)."""
-    from raycurate.stages.data_stages import filter_tokens_stage
     from raycurate.stages.model_stages import evaluate_stage, train_stage
-    from raycurate.stages.rows import clean_rows
+    from raycurate.stages.rows import clean_rows, filter_tokens_stage
 
     run = open_run(cfg)
     records = prepare_data(run, cfg)

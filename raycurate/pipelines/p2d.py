@@ -51,7 +51,7 @@ def pool_stage(run: RunDir, cfg: JobConfig) -> str:
     if cfg.p2d.pool_split is None:
         return "tokenize"
     from raycurate.pipelines.bridge import split_equals
-    from raycurate.stages.data_stages import filter_tokens_stage
+    from raycurate.stages.rows import filter_tokens_stage
 
     split = cfg.p2d.pool_split
     filter_tokens_stage(run, "p2d_pool_rows", tokens_stage="tokenize", description=f"split == {split}",

@@ -350,10 +350,8 @@ def train_curated(run: RunDir, cfg: JobConfig) -> str:
     """Fine-tune the base model on the rows of ``curated.jsonl`` (the composed rows plus the rows kept uncurated);
     returns the training stage."""
     from raycurate.config.curate import POOL_SPLIT
-    from raycurate.stages.curate import union_rows_stage
-    from raycurate.stages.data_stages import filter_tokens_stage
     from raycurate.stages.model_stages import train_stage
-    from raycurate.stages.rows import token_ids
+    from raycurate.stages.rows import filter_tokens_stage, token_ids, union_rows_stage
 
     table = "curate_rows"
     if len(token_ids(run, "tokenize")) > len(token_ids(run, "curate_pool_rows")):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from raycurate.config.data import DataConfig
 from raycurate.config.pool import ActorPoolConfig
@@ -398,27 +398,3 @@ def tokenize_files(paths: list[str], udf: TokenizeUDF, batch_rows: int, out_dir:
         table = pq.read_table(path)
         if table.num_rows:
             pq.write_table(apply_udf(udf, table, batch_rows), out_dir / f"part-{index:05d}.parquet")
-
-
-def filter_tokens_stage(run: RunDir, stage: str, *, tokens_stage: str, description: str,
-                        keep: Callable[[Any], Any], config: Any, force: bool = False) -> dict:
-    """Write the subset of a token table selected by ``keep`` (a pyarrow-table -> boolean-mask function)."""
-    import pyarrow.parquet as pq
-
-    source = output_path(run, tokens_stage, "tokens")
-
-    def body(out: Path) -> StageOutput:
-        (out / "tokens").mkdir()
-        kept = total = 0
-        for index, path in enumerate(sorted(source.glob("*.parquet"))):
-            table = pq.read_table(path)
-            subset = table.filter(keep(table))
-            total += table.num_rows
-            kept += subset.num_rows
-            pq.write_table(subset, out / "tokens" / f"part-{index:05d}.parquet")
-        if kept == 0:
-            raise ValueError(f"subset '{stage}' ({description}) selected no rows out of {total}")
-        return StageOutput(outputs={"tokens": "tokens"}, metrics={"rows_in": total, "rows_kept": kept,
-                                                                   "description": description})
-
-    return run_stage(run, stage, body, config=config, upstream=[tokens_stage], force=force)
