@@ -13,12 +13,12 @@ from raycurate.config.schema import JobConfig
 def test_warmup_epochs_zero_scores_at_the_base_model(monkeypatch, epochs, theta_bar, trained):
     import raycurate.stages.bridge as bridge_stages
     import raycurate.stages.bridge_compact as compact
-    import raycurate.stages.data_stages as data_stages
     import raycurate.stages.model_stages as model_stages
+    import raycurate.stages.rows as rows
     from raycurate.pipelines.bridge import run_bridge_core
 
     calls: dict[str, list] = {"train": [], "direction": [], "score": []}
-    monkeypatch.setattr(data_stages, "filter_tokens_stage", lambda *a, **k: {"metrics": {"rows_kept": 8}})
+    monkeypatch.setattr(rows, "filter_tokens_stage", lambda *a, **k: {"metrics": {"rows_kept": 8}})
     monkeypatch.setattr(model_stages, "train_stage", lambda run, stage, **k: calls["train"].append(stage))
     monkeypatch.setattr(bridge_stages, "direction_stage",
                         lambda run, **k: calls["direction"].append(k["warmup_stage"]))

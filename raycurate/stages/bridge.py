@@ -1,7 +1,7 @@
 """BRIDGE stages: scoring direction (Ray task), scoring (model actors), selection (CPU actors from the stored scores).
 
 Warmup and final SFT reuse :func:`raycurate.stages.model_stages.train_stage`; split subsets reuse
-:func:`raycurate.stages.data_stages.filter_tokens_stage`.
+:func:`raycurate.stages.rows.filter_tokens_stage`.
 """
 
 from __future__ import annotations
