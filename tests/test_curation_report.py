@@ -218,3 +218,22 @@ def test_fewer_than_three_runs_have_no_t_interval():
     flat = {"mixed": np.zeros(4), "clean": np.ones(4)}
     summary = summarize_seeds({0: ("sampled", flat), 1: ("sampled", flat)})
     assert summary["comparisons"]["oracle: clean vs mixed"]["over_runs"] is None
+
+
+def test_console_summary_leads_with_the_gains_that_hold_and_marks_the_rest():
+    from raycurate.report.curation import console_summary
+
+    def est(value, low, high):
+        return {"value": value, "low": low, "high": high, "n": 400}
+
+    manifest = {"results": {"curation": {"metric_label": "sampled exact match", "questions": 400, "methods": [
+        {"label": "BRIDGE", "baseline": "random", "vs_mixed": est(0.01, -0.02, 0.04),
+         "vs_baseline": est(-0.1, -0.2, -0.05)},
+        {"label": "Curation", "baseline": "curate_random", "vs_mixed": est(0.178, 0.144, 0.214),
+         "vs_baseline": est(0.146, 0.109, 0.185)},
+    ]}}}
+    lines = console_summary(manifest)
+    assert lines[0].startswith("Did curation help? sampled exact match on 400 held-out questions")
+    assert lines[1] == "  Curation: +17.8 [+14.4, +21.4]; vs random rows +14.6 [+10.9, +18.5]"
+    assert lines[2] == "  BRIDGE: +1.0 [-2.0, +4.0] (within noise); vs random -10.0 [-20.0, -5.0] (worse)"
+    assert console_summary({"results": {}}) == []

@@ -119,8 +119,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg = _load_job(demo_job_path(), args.overrides, _out_to_run(args.out))
     manifest = run_pipeline(cfg)
     run_dir = _run_location(cfg)
+    from raycurate.report.curation import console_summary
+
     print(f"run directory: {run_dir}")
     print(f"rows: {json.dumps({k: manifest['rows'][k] for k in ('input', 'accepted', 'rejected')})}")
+    for line in console_summary(manifest):
+        print(line)
     for name, metrics in manifest.get("results", {}).get("heldout", {}).items():
         print(f"held-out {name:<6} " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k != "rows"))
     print(f"report: {run_dir}/report.html")

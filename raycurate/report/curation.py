@@ -379,6 +379,34 @@ def format_ci(est: dict | None, signed: bool = False) -> str:
     return f"{est['value']:{sign}.3f} [{est['low']:{sign}.3f}, {est['high']:{sign}.3f}]{verdict}"
 
 
+def _points(est: dict) -> str:
+    """A difference of shares as signed points with its interval: ``+17.8 [+14.4, +21.4]``."""
+    return f"{100 * est['value']:+.1f} [{100 * est['low']:+.1f}, {100 * est['high']:+.1f}]"
+
+
+def console_summary(manifest: dict) -> list[str]:
+    """The demo's first lines: each method's held-out difference from fine-tuning on every row and from its random
+    baseline, in points of the primary metric; the methods whose gain over every row holds (interval above 0)
+    first, the rest marked "within noise" or "worse"."""
+    curation = (manifest.get("results") or {}).get("curation") or {}
+    methods = [m for m in curation.get("methods", []) if m.get("vs_mixed")]
+    if not methods:
+        return []
+
+    def verdict(est: dict) -> str:
+        return "" if est["low"] > 0 else (" (worse)" if est["high"] < 0 else " (within noise)")
+
+    methods.sort(key=lambda m: (m["vs_mixed"]["low"] <= 0, -m["vs_mixed"]["value"]))
+    lines = [f"Did curation help? {curation['metric_label']} on {curation['questions']} held-out questions, points "
+             "vs fine-tuning on every row, 95% paired intervals:"]
+    for m in methods:
+        line = f"  {m['label']}: {_points(m['vs_mixed'])}{verdict(m['vs_mixed'])}"
+        if m.get("vs_baseline") and m.get("baseline"):
+            line += f"; vs {display_name(m['baseline'])} {_points(m['vs_baseline'])}{verdict(m['vs_baseline'])}"
+        lines.append(line)
+    return lines
+
+
 def _selection_text(sel: dict) -> str:
     if not sel:
         return ""
