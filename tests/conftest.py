@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import xdist_units
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -26,35 +27,19 @@ def _has_cuda() -> bool:
         return False
 
 
-# Under `pytest -n 2` (pytest-xdist) each module runs whole on one worker (its module-scoped fixtures are built once;
-# test_node_loss's are whole multi-node runs) and the modules that read the shared tiny demo run on the same worker
-# (it is built once). xdist's own `xdist_group` marks do nothing under pytest 9.2 (xdist 3.8 renames `item._nodeid`,
-# which pytest 9.2 no longer reads), so the grouping is this scheduler's.
-_SHARED_SCOPES = {"tests/test_bridge_score_select.py": "tiny_demo", "tests/test_demo_e2e.py": "tiny_demo"}
-# Sent first, longest first (the idle CI run of 2026-12-07: seconds per module), so no worker is left with a long
-# module after the other is done; every other module keeps its place after them.
-_LONGEST_MODULES = ("test_train_stage", "test_bridge_score_select", "test_demo_e2e", "test_node_loss",
-                    "test_curate_e2e", "test_api", "test_bilevel_e2e", "test_user_curate", "test_p2d_e2e",
-                    "test_tune", "test_ray_jobs", "test_sharded", "test_bilevel_train")
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and getattr(config, "workerinput", None) is None:
+        xdist_units.name_units_file()  # before the workers start: they inherit the file name
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: pytest -n 2 splits the suite by xdist_units
 def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ModuleScheduling(LoadScopeScheduling):
-        """Whole modules as units, in collection order (see :func:`pytest_collection_modifyitems`)."""
-
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return _SHARED_SCOPES.get(path, path)
-
-    return ModuleScheduling(config, log)
+    return xdist_units.make_scheduler(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    if getattr(config, "workerinput", None) is not None:  # a pytest-xdist worker: the longest modules first
-        rank = {name: i for i, name in enumerate(_LONGEST_MODULES)}
-        items.sort(key=lambda item: rank.get(getattr(getattr(item, "module", None), "__name__", ""), len(rank)))
+    if getattr(config, "workerinput", None) is not None:  # a pytest-xdist worker
+        xdist_units.order_and_record(items)
     if _has_cuda():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -201,7 +201,6 @@ def test_a_budget_change_reruns_only_bridge_select(embedded, tmp_path, ray_local
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(1800)
-@pytest.mark.xdist_group("tiny_demo")  # under pytest -n, on the worker that builds the shared tiny demo once
 def test_bridge_pipeline_rerun_with_another_budget_skips_the_model(tiny_demo, tmp_path):
     """The shared tiny demo (tests/tiny_demo.py) re-run on a copy with other budgets: warmup, direction and
     bridge_score are skipped (manifest executions and finish times unchanged); bridge_select and what reads it

@@ -11,8 +11,8 @@ from raycurate.cli.main import main
 
 # The shared tiny demo (tests/tiny_demo.py: six trainings, six evaluations) runs once per session; these
 # tests read it, re-run a copy and render its report.
-# xdist_group: under pytest -n, these run on the worker that builds the shared tiny demo once
-pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800), pytest.mark.xdist_group("tiny_demo")]
+# Under pytest -n 2 this module and test_bridge_score_select run on one worker (tests/xdist_units.py).
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
 
 
 def _finished(run_dir) -> dict[str, float]:
