@@ -27,11 +27,6 @@ def _has_cuda() -> bool:
         return False
 
 
-def pytest_configure(config):
-    if getattr(config.option, "numprocesses", None) and getattr(config, "workerinput", None) is None:
-        xdist_units.name_units_file()  # before the workers start: they inherit the file name
-
-
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: pytest -n 2 splits the suite by xdist_units
 def pytest_xdist_make_scheduler(config, log):
     return xdist_units.make_scheduler(config, log)
@@ -39,7 +34,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     if getattr(config, "workerinput", None) is not None:  # a pytest-xdist worker
-        xdist_units.order_and_record(items)
+        xdist_units.order(items)
     if _has_cuda():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
