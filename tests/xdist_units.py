@@ -15,9 +15,9 @@ from typing import Any
 
 SHARED_MODULES = {"tests/test_bridge_score_select.py": "tiny_demo", "tests/test_demo_e2e.py": "tiny_demo"}
 # Longest first (seconds per module in the idle runs of 2026-12-07); every other module keeps its place after them.
-LONGEST_MODULES = ("test_train_stage", "test_node_loss", "test_bridge_score_select", "test_demo_e2e",
-                   "test_api", "test_curate_e2e", "test_tune", "test_user_curate", "test_sharded", "test_bilevel_e2e",
-                   "test_p2d_e2e", "test_ray_jobs", "test_bilevel_train")
+LONGEST_MODULES = ("test_train_stage", "test_bridge_score_select", "test_demo_e2e", "test_node_loss",
+                   "test_curate_e2e", "test_api", "test_bilevel_e2e", "test_user_curate", "test_p2d_e2e",
+                   "test_tune", "test_ray_jobs", "test_sharded", "test_bilevel_train")
 
 
 def order(items: list[Any]) -> None:
