@@ -14,10 +14,18 @@ from __future__ import annotations
 from typing import Any
 
 SHARED_MODULES = {"tests/test_bridge_score_select.py": "tiny_demo", "tests/test_demo_e2e.py": "tiny_demo"}
-# Longest first (seconds per module in the idle runs of 2026-12-07); every other module keeps its place after them.
+# Long modules first, roughly by the per-file seconds of the sixth session's `--durations` run (benchmarks/RESULTS.md,
+# "Where the test suite's time goes"), the tiny demo's two together: the order of the measured 1,081 s run. Every
+# other module keeps its collection place after them.
 LONGEST_MODULES = ("test_train_stage", "test_bridge_score_select", "test_demo_e2e", "test_node_loss",
                    "test_curate_e2e", "test_api", "test_bilevel_e2e", "test_user_curate", "test_p2d_e2e",
                    "test_tune", "test_ray_jobs", "test_sharded", "test_bilevel_train")
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit a test id belongs to: its module's path, or the shared name of the tiny demo's two modules."""
+    path = nodeid.split("::", 1)[0]
+    return SHARED_MODULES.get(path, path)
 
 
 def order(items: list[Any]) -> None:
@@ -32,8 +40,7 @@ def make_scheduler(config: Any, log: Any) -> Any:
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return SHARED_MODULES.get(path, path)
+            return unit_of(nodeid)
 
     config.option.loadscopereorder = False  # keep the workers' order, not xdist's by test count
     return ModuleScheduling(config, log)
