@@ -176,8 +176,12 @@ def _curate_run(root: Path, gain: float) -> dict:
     arms = {"composition": {"model": "curate", "rows": 60, "response_tokens": 1000},
             "bds": {"model": "curate_bds", "rows": 80, "response_tokens": 1004},
             "random": {"model": "curate_random", "rows": 81, "response_tokens": 998}}
+    separation = {"auroc": 0.9, "auroc_ci95": [0.85, 0.95],
+                  "auroc_by_kind": {"swapped_entity": {"auroc": 0.93, "rows": 10, "ci95": [0.9, 0.96]},
+                                    "truncated": {"auroc": 0.81, "rows": 4, "ci95": [0.7, 0.9]}}}
     manifest["results"] = {"composition": {"steps": ["bds", "bridge"], "keep_fraction": 0.6, "bds_mode": "select",
-                                           "budget_tokens": 1000, **score_arms(root, manifest, arms)}}
+                                           "budget_tokens": 1000, "separation": separation,
+                                           **score_arms(root, manifest, arms)}}
     (root / "manifest.json").write_text(json.dumps(manifest))
     return manifest
 
@@ -241,7 +245,29 @@ def test_proving_ground_runs_the_configured_pipeline_per_seed(tmp_path, monkeypa
     assert seen == [("curate", 3)] and summary["pipeline"] == "curate"
     assert summary["composition_budgets"]["3"]["arms"]["bds"] == {"rows": 80, "response_tokens": 1004,
                                                                   "clean_share": None}
-    assert "composition vs bds (matched tokens)" in (tmp_path / "pg" / "report.html").read_text()
+    assert summary["separation"]["3"]["auroc_by_kind"]["truncated"]["auroc"] == 0.81
+    html = (tmp_path / "pg" / "report.html").read_text()
+    assert "composition vs bds (matched tokens)" in html
+    assert "<td>truncated</td><td>0.81 (4)</td><td>0.81</td>" in html
+
+
+def test_proving_ground_report_shows_the_lowest_auroc_of_each_kind_over_the_runs():
+    from raycurate.report.proving_ground import render_proving_ground
+
+    def kinds(swapped: float, truncated: float | None) -> dict:
+        by_kind = {"swapped_entity": {"auroc": swapped, "rows": 10, "ci95": [0, 1]}}
+        if truncated is not None:
+            by_kind["truncated"] = {"auroc": truncated, "rows": 4, "ci95": [0, 1]}
+        return {"auroc": (swapped + (truncated or swapped)) / 2, "auroc_by_kind": by_kind}
+
+    summary = {"metric": "m", "seeds": [0, 1], "comparisons": {},
+               "separation": {"0": kinds(0.95, 0.9), "1": kinds(0.91, None)}}
+    html = render_proving_ground(summary)
+    assert "<th>run 0</th><th>run 1</th><th>lowest</th>" in html
+    assert "<td>swapped_entity</td><td>0.95 (10)</td><td>0.91 (10)</td><td>0.91</td>" in html
+    assert "<td>truncated</td><td>0.90 (4)</td><td></td><td>0.90</td>" in html  # a run without the kind: blank
+    assert "<td>all corrupted rows</td><td>0.93</td><td>0.91</td><td>0.91</td>" in html
+    assert "Which bad rows" not in render_proving_ground({**summary, "separation": {}})
 
 
 def test_arms_must_be_steps_or_random():

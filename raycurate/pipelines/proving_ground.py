@@ -134,6 +134,7 @@ def run_proving_ground(cfg: JobConfig, run_pipeline: Callable[[JobConfig], dict]
     per_seed: dict[int | str, tuple[str, dict[str, Any]]] = {}
     by_metric: dict[str, dict[int | str, tuple[str, dict[str, Any]]]] = {}
     budgets: dict[str, dict] = {}
+    separation: dict[str, dict] = {}
     for seed, train_seed in runs_of(cfg):
         child = seed_config(cfg, seed, train_seed)
         run_dir = Path(child.run.runs_dir) / child.run.name
@@ -151,11 +152,15 @@ def run_proving_ground(cfg: JobConfig, run_pipeline: Callable[[JobConfig], dict]
             budgets[str(label)] = {"budget_tokens": composition["budget_tokens"],
                                   "arms": {arm: {k: a.get(k) for k in ("rows", "response_tokens", "clean_share")}
                                            for arm, a in composition["arms"].items()}}
+            if composition.get("separation"):  # the recipe's ranking, clean rows vs each corruption kind
+                separation[str(label)] = composition["separation"]
     summary = summarize_seeds(per_seed)
     summary["pipeline"] = cfg.proving_ground.pipeline
     summary["by_metric"] = {key: summarize_seeds(seeds) for key, seeds in by_metric.items()}
     if budgets:
         summary["composition_budgets"] = budgets
+    if separation:
+        summary["separation"] = separation
     root = Path(cfg.run.runs_dir) / cfg.run.name
     atomic_write_text(root / "proving_ground.json", json.dumps(summary, indent=2))
     atomic_write_text(root / "report.html", render_proving_ground(summary))

@@ -62,6 +62,34 @@ def _metric_table(summary: dict) -> str:
                      *(["over runs (t, 95%)"] if with_t else []), "seeds whose interval excludes 0"], rows))
 
 
+def _separation_table(separation: dict[str, dict]) -> str:
+    """Corruption kind x run: the AUROC of the composition's ranking, clean rows vs that kind, and the lowest over the
+    runs (the number a claim "separates every kind" rests on); empty without ``separation``."""
+    if not separation:
+        return ""
+    runs = list(separation)
+    kinds = sorted({kind for s in separation.values() for kind in s.get("auroc_by_kind") or {}})
+
+    def cell(run: str, kind: str) -> str:
+        v = (separation[run].get("auroc_by_kind") or {}).get(kind)
+        return f"{v['auroc']:.2f} ({v['rows']})" if v else ""
+
+    def lowest(kind: str) -> str:
+        values = [s["auroc_by_kind"][kind]["auroc"] for s in separation.values() if kind in (s.get("auroc_by_kind")
+                                                                                             or {})]
+        return f"{min(values):.2f}"
+
+    rows = [[kind, *(cell(r, kind) for r in runs), lowest(kind)] for kind in kinds]
+    rows.append(["all corrupted rows", *(f"{separation[r]['auroc']:.2f}" if "auroc" in separation[r] else ""
+                                         for r in runs),
+                 f"{min(s['auroc'] for s in separation.values() if 'auroc' in s):.2f}"])
+    return ("<h2>Which bad rows the recipe found</h2><p>AUROC of the composition's ranking, clean pool rows vs each "
+            "corruption kind (the chance that a random clean row ranks above a random row of that kind: 0.5 is "
+            "chance, 1 perfect), per run, with that kind's rows in brackets; rows a step dropped rank below every "
+            "row it passed on. The last column is the lowest over the runs.</p>"
+            + table(["corruption", *(f"run {r}" for r in runs), "lowest"], rows))
+
+
 def render_proving_ground(summary: dict) -> str:
     """The proving ground's ``report.html``: each metric's verdict and per-seed / pooled table, and the composition
     arms' rows and tokens per seed."""
@@ -76,6 +104,7 @@ def render_proving_ground(summary: dict) -> str:
                  + table(["seed", "T", *arms], [[seed, b["budget_tokens"], *(
                      f"{b['arms'][a]['rows']} / {b['arms'][a]['response_tokens']}" if a in b["arms"] else ""
                      for a in arms)] for seed, b in budgets.items()]))
+    body += _separation_table(summary.get("separation") or {})
     return ("<!doctype html><html lang='en'><head><meta charset='utf-8'><title>raycurate proving ground</title>"
             "<style>body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1100px}table{border-collapse:"
             "collapse;display:block;overflow-x:auto}td,th{border:1px solid #dde;padding:.25rem .6rem}</style>"
