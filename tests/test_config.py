@@ -149,12 +149,14 @@ def test_runtime_only_train_settings_leave_the_stage_hash_and_result_settings_do
     assert config_hash(dataclasses.replace(base, lr=base.lr * 2)) != config_hash(base)
     assert config_hash({"stage": runtime}) == config_hash({"stage": base})  # nested, as train_stage hashes it
     # a config that sets none of them hashes as before the flag existed (finished runs stay current)
-    # ... and so does one that predates the fields added later with hashed=False (train.export)
-    before = {k: v for k, v in to_dict(base).items() if k != "export"}
+    # ... and so does one that predates the fields added later with hashed=False (train.export, length_groups)
+    before = {k: v for k, v in to_dict(base).items() if k not in ("export", "length_groups")}
     old = hashlib.sha256(json.dumps([before], sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert config_hash(base) == old
     assert config_hash(dataclasses.replace(base, export="merged")) == config_hash(base)
+    assert config_hash(dataclasses.replace(base, length_groups=2)) == config_hash(base)
     flagged = {f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("runtime_only")}
     assert flagged == {"threads_per_worker", "cpus_per_worker", "max_failures", "log_every_steps", "keep_checkpoints",
-                       "checkpoint_every_minutes", "export"}
-    assert {f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("hashed") is False} == {"export"}
+                       "checkpoint_every_minutes", "export", "length_groups"}
+    assert {f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("hashed") is False} == {
+        "export", "length_groups"}

@@ -9,6 +9,7 @@ import torch
 
 from raycurate.algorithms.losses import (
     example_losses,
+    grouped_model_token_losses,
     logit_window,
     mean_supervised_loss,
     model_token_losses,
@@ -157,3 +158,44 @@ def test_model_token_losses_without_supervised_positions_skip_the_model():
 
     got = model_token_losses(forbidden, torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5), torch.zeros(2, 5))
     assert got.shape == (2, 5) and not got.any()
+
+
+def test_grouped_forwards_give_the_padded_batch_losses_and_gradients_in_place():
+    """Rows of lengths 12, 4, 9, 6, 11 in 2 groups (sorted: 4, 6, 9 | 11, 12): each row's losses land in its own row
+    and equal one padded forward's, and so do the gradients of the summed loss."""
+    model = _tiny_causal_lm("llama")
+    gen = torch.Generator().manual_seed(7)
+    lengths = [12, 4, 9, 6, 11]
+    input_ids = torch.randint(1, 40, (5, 12), generator=gen)
+    attention_mask = torch.zeros(5, 12, dtype=torch.long)
+    loss_mask = torch.zeros(5, 12, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, length:] = 0
+        attention_mask[row, :length] = 1
+        loss_mask[row, length // 2:length] = 1
+    calls = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)),
+                                    with_kwargs=True)
+    padded = model_token_losses(model, input_ids, attention_mask, loss_mask)
+    grouped = grouped_model_token_losses(model, input_ids, attention_mask, loss_mask, groups=2)
+    assert calls == [(5, 12), (3, 9), (2, 12)]  # tensor_split puts the remainder in the first group
+    assert torch.allclose(grouped, padded, atol=1e-6, rtol=0)
+    assert (grouped[loss_mask == 0] == 0).all()
+    grads = []
+    for per_token in (padded, grouped):
+        model.zero_grad()
+        per_token.sum().backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_more_groups_than_rows_is_one_forward_a_row_and_one_group_is_the_padded_forward():
+    model = _tiny_causal_lm("llama")
+    input_ids = torch.tensor([[3, 4, 5, 6], [7, 8, 0, 0]])
+    attention_mask = (input_ids != 0).long()
+    loss_mask = attention_mask.clone()
+    padded = model_token_losses(model, input_ids, attention_mask, loss_mask)
+    assert torch.equal(grouped_model_token_losses(model, input_ids, attention_mask, loss_mask, groups=1), padded)
+    assert torch.allclose(grouped_model_token_losses(model, input_ids, attention_mask, loss_mask, groups=5), padded,
+                          atol=1e-6, rtol=0)

@@ -752,6 +752,56 @@ def test_frozen_dtype_applies_to_lora_only():
     assert load_dtype(TrainConfig(), {"kind": "lora"}, cpu, bf16=False) == torch.float32
 
 
+def test_frozen_dtype_auto_is_bf16_only_where_bf16_matmuls_are_fast(monkeypatch):
+    from raycurate.models import precision
+    from raycurate.training.engines import load_dtype
+
+    cfg, lora = TrainConfig(frozen_dtype="auto"), {"kind": "lora", "r": 2}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True, "amx_bf16": False})
+    assert not precision.fast_bf16("cpu") and precision.fast_bf16("cuda")
+    assert load_dtype(cfg, lora, torch.device("cpu"), bf16=False) == torch.float32
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True, "amx_bf16": True})
+    assert load_dtype(cfg, lora, torch.device("cpu"), bf16=False) == torch.bfloat16
+    assert load_dtype(cfg, None, torch.device("cpu"), bf16=False) == torch.float32  # full fine-tuning
+
+
+def test_length_groups_need_one_forward_per_backward_engines():
+    assert TrainConfig(length_groups=2, engine="deepspeed", zero_stage=2).config_problems() == []
+    assert TrainConfig(length_groups=2, engine="ddp", num_workers=1, launcher="task").config_problems() == []
+    for bad in (dict(engine="deepspeed", zero_stage=3), dict(engine="ddp", num_workers=2)):
+        problems = TrainConfig(length_groups=2, **bad).config_problems()
+        assert len(problems) == 1 and problems[0].startswith("train.length_groups=2: several forwards"), bad
+
+
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
+def test_a_step_on_length_groups_is_the_step_on_the_padded_batch(tiny_model, token_table, tmp_path, engine,
+                                                                  monkeypatch):
+    """Two optimizer steps of 4 rows in one forward or in 2 length groups: the same losses and weights (DeepSpeed
+    ZeRO-2 in the task launcher's 1-rank process group, as the real proving ground trains)."""
+    from raycurate.algorithms import losses
+    from raycurate.stages.train import sft_entry, task_worker
+
+    seen, grouped = [], losses.grouped_model_token_losses
+    monkeypatch.setattr(losses, "grouped_model_token_losses", lambda *a: seen.append(a[-1]) or grouped(*a))
+    exported, threads = {}, torch.get_num_threads()
+    try:
+        for groups in (1, 2):
+            cfg = TrainConfig(engine=engine, launcher="task", micro_batch_size=4, effective_batch_size=4,
+                              max_steps=2, lr=5e-2, num_workers=1, seed=5, length_groups=groups)
+            job = SFTJob(token_table, tiny_model, str(tmp_path / f"m{groups}"), cfg, False, 1.0)
+            task_worker(sft_entry, {"job": job}, str(tmp_path / f"storage{groups}" / "sft"), 1, False,
+                        {"DS_ACCELERATOR": "cpu"})
+            with open(os.path.join(job.output_dir, METRICS_FILE)) as f:
+                exported[groups] = (json.load(f)["loss_per_step"], _weights(job.output_dir))
+    finally:
+        torch.set_num_threads(threads)  # prepare_worker set this process's threads to the task's 1 CPU
+    assert seen == [1, 1, 2, 2]  # the engine passed train.length_groups to each step's forward
+    assert exported[2][0] == pytest.approx(exported[1][0], rel=1e-5)
+    for key, value in exported[1][1].items():  # Adam's sign-like first steps: see the accumulation test above
+        apart = (value - exported[2][1][key]).abs() > 1e-3
+        assert apart.float().mean() <= 0.01, f"{key}: {int(apart.sum())} of {apart.numel()} weights differ by > 1e-3"
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_deepspeed_lora_on_a_bf16_frozen_base_trains_and_exports(ray_local, tiny_model, token_table, tmp_path):

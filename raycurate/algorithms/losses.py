@@ -122,6 +122,37 @@ def model_token_losses(
     return window_token_losses(logits, input_ids, loss_mask, window)
 
 
+def grouped_model_token_losses(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+    groups: int
+) -> torch.Tensor:
+    """:func:`model_token_losses` in ``groups`` forwards of rows of similar length, each cut to its longest row.
+
+    A right-padded batch computes every row at the longest row's width; on the real proving ground's rows (~89
+    tokens, 50-158) a batch of 8 is ~43% padding, 2 groups of 4 ~19%.  The per-position losses are the same up to
+    floating-point summation order (each row sees only its own tokens either way), so the caller's loss and its one
+    backward are unchanged.  Rows keep their places in the returned tensor.
+
+    Args:
+        model, input_ids, attention_mask, loss_mask: As :func:`model_token_losses` (right-padded).
+        groups: Forwards to split the batch into (rows sorted by length, split as evenly as possible); 1 is one
+            forward of the whole batch.
+
+    Returns:
+        (B, T) float32 losses, as :func:`model_token_losses`.
+    """
+    batch = input_ids.shape[0]
+    if groups <= 1 or batch < 2:
+        return model_token_losses(model, input_ids, attention_mask, loss_mask)
+    lengths = attention_mask.sum(dim=1)
+    losses = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    for rows in torch.tensor_split(torch.argsort(lengths, stable=True), min(groups, batch)):
+        width = int(lengths[rows].max())
+        losses[rows, :width] = model_token_losses(model, input_ids[rows, :width], attention_mask[rows, :width],
+                                                  loss_mask[rows, :width])
+    return losses
+
+
 def model_example_losses(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
 ) -> torch.Tensor:

@@ -55,10 +55,18 @@ class TrainConfig:
     )
     frozen_dtype: str = option(
         "float32", "dtype of the frozen base weights of a LoRA run (train.adapter=lora or a method's LoRA); the "
-        "adapter trains in fp32 either way. bfloat16 halves their memory and, on CPUs with AVX512-BF16/AMX, made a "
-        "SmolLM2-135M LoRA step 1.7x faster (benchmarks/bench_cpu_precision.py); activations are then bf16.",
-        choices=("float32", "bfloat16"),
+        "adapter trains in fp32 either way. bfloat16 halves their memory, makes activations bf16 and is fast only "
+        "where bf16 matrix products are: on a CPU with AMX a SmolLM2-135M LoRA step was 1.7x faster than fp32, on "
+        "one with AVX512-BF16 but no AMX 1.7x slower (benchmarks/RESULTS.md). auto: bfloat16 on a GPU or an AMX "
+        "CPU, else float32 (decided where the worker runs).",
+        choices=("float32", "bfloat16", "auto"),
     )
+    length_groups: int = option(
+        1, "Forwards a micro-batch is split into, its rows sorted by length and each group cut to its longest row: "
+        "the same loss and one backward, less padding computed (2 on the real proving ground's batches of 8: 43% "
+        "-> 19% padding, a LoRA step 0.77-0.81x the time). Needs engine=deepspeed with zero_stage <= 2, or ddp on "
+        "one worker. Not in the stage hash: the loss is the same up to floating-point summation order.",
+        ge=1, runtime_only=True, hashed=False)
     export: str = option(
         "adapter", "What a LoRA run writes as its model folder: adapter (the PEFT adapter, tokenizer files and "
         "metrics: 19 MB for SmolLM2-135M at r=16 instead of 538 MB; it names its base, and every stage merges it on "
@@ -134,6 +142,11 @@ class TrainConfig:
             problems.append("train.offload_optimizer / train.offload_params: need train.engine=deepspeed")
         elif (self.offload_optimizer or self.offload_params) and self.zero_stage == 0:
             problems.append("train.offload_optimizer / train.offload_params: need train.zero_stage 1-3 (got 0)")
+        if self.length_groups > 1 and not (self.engine == "deepspeed" and self.zero_stage <= 2
+                                           or self.engine == "ddp" and self.num_workers == 1):
+            problems.append(f"train.length_groups={self.length_groups}: several forwards before one backward need "
+                            "engine=deepspeed with zero_stage <= 2 or engine=ddp with num_workers=1 (DDP's and "
+                            "ZeRO-3's hooks expect one forward per backward); set train.length_groups=1")
         if self.offload_params and self.zero_stage != 3:
             problems.append(f"train.offload_params: true needs train.zero_stage=3 (got {self.zero_stage}); use "
                             "train.offload_optimizer for ZeRO-1/2")

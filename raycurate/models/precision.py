@@ -1,4 +1,4 @@
-"""The precision a held-out evaluation runs a model in (``eval.dtype``).
+"""The precision a held-out evaluation runs a model in (``eval.dtype``), and where bf16 pays (:func:`fast_bf16`).
 
 :func:`load_eval_model` loads a checkpoint for evaluation: ``auto`` (the default) as stored, a LoRA adapter merged
 onto its base in fp32; ``bfloat16`` the base in bf16 with the adapter unmerged in fp32 beside it
@@ -20,6 +20,20 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 FULL, MERGED, UNMERGED = "none", "merged", "unmerged"
+
+
+def fast_bf16(device_type: str) -> bool:
+    """Whether bf16 matrix products beat fp32 on a device of this type: a CUDA GPU, or a CPU with AMX-BF16 tiles
+    (``train.frozen_dtype=auto``). AVX512-BF16 without AMX is not enough: there a SmolLM2-135M LoRA step with a
+    bf16 frozen base took 1.7x the fp32 step's time (benchmarks/RESULTS.md, tenth session)."""
+    if device_type == "cuda":
+        return True
+    if device_type != "cpu":
+        return False
+    import torch
+
+    capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.8; older: treat as no AMX
+    return bool(capabilities and capabilities().get("amx_bf16"))
 
 
 def stored_dtype(path: str) -> str:

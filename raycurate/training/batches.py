@@ -133,16 +133,19 @@ def to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def batch_token_losses(model: Any, batch: dict[str, Any]) -> Any:
+def batch_token_losses(model: Any, batch: dict[str, Any], length_groups: int = 1) -> Any:
     """(B, T) per-position losses of a collated batch; logits only over its supervised window.
 
     Args:
         model: The causal LM, or a DDP / DeepSpeed / PEFT wrapper that forwards keyword arguments to it.
         batch: Output of :func:`collate` (``input_ids``, ``attention_mask``, ``loss_mask``) on the model's device.
+        length_groups: Forwards of rows of similar length (``train.length_groups``;
+            :func:`~raycurate.algorithms.losses.grouped_model_token_losses`); 1 is one forward.
     """
-    from raycurate.algorithms.losses import model_token_losses
+    from raycurate.algorithms.losses import grouped_model_token_losses
 
-    return model_token_losses(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    return grouped_model_token_losses(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                                      length_groups)
 
 
 def supervised_counts(table: TokenTable) -> np.ndarray:

@@ -110,7 +110,7 @@ class DDPEngine:
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
         with sync:
             with autocast:
-                per_token = batch_token_losses(self.wrapped, batch)  # (B, T)
+                per_token = batch_token_losses(self.wrapped, batch, self.cfg.length_groups)  # (B, T)
             loss = loss_fn(per_token, batch)
             (loss / self.accum).backward()
         if is_boundary:
@@ -207,6 +207,7 @@ class DeepSpeedEngine:
         world = dist.get_world_size() if dist.is_initialized() else 1
         optimizer, scheduler = optimizer_and_schedule(model, cfg, run_steps)
         self.zero_stage, self.peak_lr, self.load_universal = cfg.zero_stage, cfg.lr, load_universal
+        self.length_groups = cfg.length_groups
         self.export_dtype = torch.bfloat16 if bf16 else torch.float32
         config = deepspeed_config(cfg, world, bf16, on_gpu=device.type == "cuda", load_universal=load_universal)
         skip_shared_memory_comm_op(deepspeed)
@@ -243,7 +244,7 @@ class DeepSpeedEngine:
                 "DeepSpeed's micro-step count disagrees with the training loop's accumulation boundary; "
                 "gradient_accumulation_steps in the DeepSpeed config must equal the loop's."
             )
-        loss = loss_fn(batch_token_losses(self.engine, batch), batch)
+        loss = loss_fn(batch_token_losses(self.engine, batch, self.length_groups), batch)
         self.engine.backward(loss)  # scales by 1 / gradient_accumulation_steps
         self.engine.step()
         return loss.detach()
@@ -308,14 +309,17 @@ def build_engine(model: Any, cfg: TrainConfig, run_steps: int, device: Any, bf16
 
 def load_dtype(cfg: TrainConfig, adapter: dict | None, device: Any, bf16: bool) -> Any:
     """The dtype the base weights are loaded in: bf16 for DeepSpeed bf16 on GPU, and for the frozen base of a LoRA
-    run with ``train.frozen_dtype=bfloat16`` (its adapter stays fp32); else fp32."""
+    run with ``train.frozen_dtype=bfloat16`` (or ``auto`` where :func:`~raycurate.models.precision.fast_bf16`; its
+    adapter stays fp32); else fp32."""
     import torch
 
     from raycurate.models.adapters import adapter_kind
+    from raycurate.models.precision import fast_bf16
 
     if bf16 and cfg.engine == "deepspeed" and device.type == "cuda":
         return torch.bfloat16
-    if cfg.frozen_dtype == "bfloat16" and adapter_kind(adapter) == "lora":
+    if adapter_kind(adapter) == "lora" and (
+            cfg.frozen_dtype == "bfloat16" or cfg.frozen_dtype == "auto" and fast_bf16(device.type)):
         return torch.bfloat16
     return torch.float32
 
