@@ -757,10 +757,12 @@ def test_frozen_dtype_auto_is_bf16_only_where_bf16_matmuls_are_fast(monkeypatch)
     from raycurate.training.engines import load_dtype
 
     cfg, lora = TrainConfig(frozen_dtype="auto"), {"kind": "lora", "r": 2}
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True, "amx_bf16": False})
+    measured = precision.cpu_bf16_speedup()
+    assert measured > 0 and precision.cpu_bf16_speedup() == measured  # measured once per process
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 0.44)  # AVX512-BF16 without AMX (this VM)
     assert not precision.fast_bf16("cpu") and precision.fast_bf16("cuda")
     assert load_dtype(cfg, lora, torch.device("cpu"), bf16=False) == torch.float32
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True, "amx_bf16": True})
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 1.7)
     assert load_dtype(cfg, lora, torch.device("cpu"), bf16=False) == torch.bfloat16
     assert load_dtype(cfg, None, torch.device("cpu"), bf16=False) == torch.float32  # full fine-tuning
 

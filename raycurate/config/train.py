@@ -56,9 +56,9 @@ class TrainConfig:
     frozen_dtype: str = option(
         "float32", "dtype of the frozen base weights of a LoRA run (train.adapter=lora or a method's LoRA); the "
         "adapter trains in fp32 either way. bfloat16 halves their memory, makes activations bf16 and is fast only "
-        "where bf16 matrix products are: on a CPU with AMX a SmolLM2-135M LoRA step was 1.7x faster than fp32, on "
-        "one with AVX512-BF16 but no AMX 1.7x slower (benchmarks/RESULTS.md). auto: bfloat16 on a GPU or an AMX "
-        "CPU, else float32 (decided where the worker runs).",
+        "where bf16 matrix products are: a SmolLM2-135M LoRA step was 1.7x faster than fp32 on one Xeon VM, 1.7x "
+        "slower on another without AMX (benchmarks/RESULTS.md). auto: bfloat16 on a GPU or on a CPU where a bf16 "
+        "matmul measures at least 1.2x faster than fp32, else float32 (decided where the worker runs).",
         choices=("float32", "bfloat16", "auto"),
     )
     length_groups: int = option(

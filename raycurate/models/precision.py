@@ -10,6 +10,7 @@ hashes.  Why ``auto`` stays the default (measured agreement and speed): docs/des
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import TYPE_CHECKING
@@ -23,28 +24,35 @@ FULL, MERGED, UNMERGED = "none", "merged", "unmerged"
 
 
 def fast_bf16(device_type: str) -> bool:
-    """Whether bf16 matrix products beat fp32 on a device of this type: a CUDA GPU, or a CPU with AMX-BF16 tiles
-    (``train.frozen_dtype=auto``). AVX512-BF16 without AMX is not enough: there a SmolLM2-135M LoRA step with a
-    bf16 frozen base took 1.7x the fp32 step's time (benchmarks/RESULTS.md, tenth session)."""
+    """Whether bf16 matrix products beat fp32 on a device of this type (``train.frozen_dtype=auto``): a CUDA GPU, or
+    a CPU where :func:`cpu_bf16_speedup` is at least 1.2.  Measured rather than read from CPU flags: a VM of a Xeon
+    that lists AVX512-BF16 but not AMX multiplied in bf16 at 0.44x its fp32 speed, and its SmolLM2-135M LoRA step
+    with a bf16 frozen base took 1.72x the fp32 step's time (benchmarks/RESULTS.md, tenth session), while another
+    Xeon VM ran that step 1.7x faster in bf16 (2026-12-05)."""
     if device_type == "cuda":
         return True
-    if device_type != "cpu":
-        return False
+    return device_type == "cpu" and cpu_bf16_speedup() >= 1.2
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_speedup(size: int = 384, repeats: int = 5) -> float:
+    """fp32 time / bf16 time of a (size, size) x (size, size) matmul on this CPU, best of ``repeats`` each (~20 ms;
+    once per process). The margins it decides between are ~2x either way, far above a loaded machine's noise."""
+    import time
+
     import torch
 
-    capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.8; older: treat as no AMX
-    return bool(capabilities and capabilities().get("amx_bf16"))
-
-
-def stored_dtype(path: str) -> str:
-    """The dtype a checkpoint folder's weights are stored in (its ``config.json``'s ``dtype`` / ``torch_dtype``;
-    float32 when it names none, or for a tiny preset, which has no folder)."""
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        return "float32"
-    with open(config, encoding="utf-8") as f:
-        data = json.load(f)
-    return str(data.get("dtype") or data.get("torch_dtype") or "float32")
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.ones(size, size, dtype=dtype), torch.ones(size, size, dtype=dtype)
+        a @ b  # warm-up: the first call picks the kernel
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - started)
+        best[dtype] = min(times)
+    return best[torch.float32] / best[torch.bfloat16]
 
 
 def eval_plan(path: str, dtype: str = "auto") -> dict[str, str]:
