@@ -55,6 +55,17 @@ def cpu_bf16_speedup(size: int = 384, repeats: int = 5) -> float:
     return best[torch.float32] / best[torch.bfloat16]
 
 
+def stored_dtype(path: str) -> str:
+    """The dtype a checkpoint folder's weights are stored in (its ``config.json``'s ``dtype`` / ``torch_dtype``;
+    float32 when it names none, or for a tiny preset, which has no folder)."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return "float32"
+    with open(config, encoding="utf-8") as f:
+        data = json.load(f)
+    return str(data.get("dtype") or data.get("torch_dtype") or "float32")
+
+
 def eval_plan(path: str, dtype: str = "auto") -> dict[str, str]:
     """How :func:`load_eval_model` loads ``path`` at ``eval.dtype=dtype``.
 
