@@ -1,8 +1,8 @@
 """A LoRA training step on length-sorted groups of a micro-batch vs the whole right-padded micro-batch.
 
 Issue #39: the real proving ground's SFT micro-batch of 8 rows is ~43% padding.  This times forward + backward of
-the job's LoRA set-up (SmolLM2-135M, bf16 frozen base, fp32 LoRA r=16 on the job's targets, token-normalised
-loss) on ``--batches`` seeded micro-batches of a run's real token table, one forward per batch
+the job's LoRA set-up (SmolLM2-135M, frozen base in ``--dtype``, fp32 LoRA r=16 on the job's targets,
+token-normalised loss) on ``--batches`` seeded micro-batches of a run's real token table, one forward per batch
 (:func:`~raycurate.algorithms.losses.model_token_losses`) against ``--groups`` forwards
 (:func:`~raycurate.algorithms.losses.grouped_model_token_losses`), interleaved in this process; and checks that the
 loss and the adapter gradients agree.  Usage::
@@ -37,13 +37,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
-    from raycurate.algorithms.losses import grouped_model_token_losses, model_token_losses
+    from raycurate.algorithms.losses import grouped_model_token_losses, length_groups
     from raycurate.config.train import TrainConfig
     from raycurate.models.adapters import apply_adapter
     from raycurate.models.loading import load_model
     from raycurate.training.batches import collate, load_token_table, token_sft_loss
 
-    cfg = TrainConfig(adapter="lora", lora_r=16, lora_alpha=16, frozen_dtype="bfloat16")
+    cfg = TrainConfig(adapter="lora", lora_r=16, lora_alpha=16)
     model = apply_adapter(load_model(args.model, dtype=args.dtype), cfg.adapter_spec())
     model.train()
     table = load_token_table(args.tokens)
@@ -73,10 +73,7 @@ def main() -> None:
     widths = [b["attention_mask"] for b in batches]
     real = sum(int(m.sum()) for m in widths)
     padded = sum(m.numel() for m in widths)
-    grouped = 0
-    for m in widths:
-        lengths = m.sum(dim=1).sort().values
-        grouped += sum(int(chunk.max()) * len(chunk) for chunk in torch.tensor_split(lengths, args.groups))
+    grouped = sum(width * len(rows) for m in widths for rows, width in length_groups(m.sum(dim=1), args.groups))
     print(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     print(f"padded {np.sum(times[1]):.2f} s, {args.groups} groups {np.sum(times[args.groups]):.2f} s over "
           f"{args.batches} batches of {args.batch} at {args.threads} thread(s), {args.dtype} base")

@@ -17,7 +17,8 @@ os.environ.pop("RAY_ADDRESS", None)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray Train's controller polls its worker group every 2 s by default: a 2-step training of a tiny model then
-# waits up to 2 s to be seen finished, and its start-up polls too (~4 s a launch measured on ~40 launches). Its
+# waits up to 2 s to be seen finished, and its start-up polls too (~5 s a launch at 0.25 s: 31.8 -> 26.7 s a DDP
+# launch, benchmarks/RESULTS.md, tenth session). Its
 # preemption watcher (a node-drain poller, one more actor process a launch) watches drains no test makes.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")

@@ -141,16 +141,28 @@ def grouped_model_token_losses(
     Returns:
         (B, T) float32 losses, as :func:`model_token_losses`.
     """
-    batch = input_ids.shape[0]
-    if groups <= 1 or batch < 2:
+    if groups <= 1 or input_ids.shape[0] < 2:
         return model_token_losses(model, input_ids, attention_mask, loss_mask)
-    lengths = attention_mask.sum(dim=1)
     losses = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-    for rows in torch.tensor_split(torch.argsort(lengths, stable=True), min(groups, batch)):
-        width = int(lengths[rows].max())
+    for rows, width in length_groups(attention_mask.sum(dim=1), groups):
         losses[rows, :width] = model_token_losses(model, input_ids[rows, :width], attention_mask[rows, :width],
                                                   loss_mask[rows, :width])
     return losses
+
+
+def length_groups(lengths: torch.Tensor, groups: int) -> list[tuple[torch.Tensor, int]]:
+    """The rows of each forward of :func:`grouped_model_token_losses` and the width it is cut to.
+
+    Args:
+        lengths: (B,) real tokens per row.
+        groups: Groups wanted; at most B are made.
+
+    Returns:
+        ``[(rows (G_i,) indices, longest length among them)]``, rows sorted by length (stable) and split as evenly as
+        ``torch.tensor_split`` does (the first groups one row longer).
+    """
+    split = torch.tensor_split(torch.argsort(lengths, stable=True), min(groups, lengths.shape[0]))
+    return [(rows, int(lengths[rows].max())) for rows in split]
 
 
 def model_example_losses(

@@ -68,16 +68,15 @@ def _separation_table(separation: dict[str, dict]) -> str:
     if not separation:
         return ""
     runs = list(separation)
-    kinds = sorted({kind for s in separation.values() for kind in s.get("auroc_by_kind") or {}})
+    by_kind = {run: separation[run].get("auroc_by_kind") or {} for run in runs}
+    kinds = sorted({kind for found in by_kind.values() for kind in found})
 
     def cell(run: str, kind: str) -> str:
-        v = (separation[run].get("auroc_by_kind") or {}).get(kind)
+        v = by_kind[run].get(kind)
         return f"{v['auroc']:.2f} ({v['rows']})" if v else ""
 
     def lowest(kind: str) -> str:
-        values = [s["auroc_by_kind"][kind]["auroc"] for s in separation.values() if kind in (s.get("auroc_by_kind")
-                                                                                             or {})]
-        return f"{min(values):.2f}"
+        return f"{min(found[kind]['auroc'] for found in by_kind.values() if kind in found):.2f}"
 
     rows = [[kind, *(cell(r, kind) for r in runs), lowest(kind)] for kind in kinds]
     rows.append(["all corrupted rows", *(f"{separation[r]['auroc']:.2f}" if "auroc" in separation[r] else ""
