@@ -16,20 +16,23 @@ if [ ! -x .venv/bin/python ]; then
   "$python_bin" -m venv .venv
 fi
 py=.venv/bin/python
-"$py" -m pip install --quiet --upgrade pip
+# --no-compile: pip would byte-compile all ~25k modules of the dependencies (most never imported); Python compiles
+# the ones a run imports on first import instead (benchmarks/RESULTS.md, eleventh session)
+pip_install=("$py" -m pip install --quiet --no-compile)
+"${pip_install[@]}" --upgrade pip
 if ! "$py" -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "$py" -m pip install --quiet torch
+    "${pip_install[@]}" torch
   elif [ -n "${RAYCURATE_TORCH_INDEX:-}" ]; then
-    "$py" -m pip install --quiet torch==2.13.0 --index-url "$RAYCURATE_TORCH_INDEX"
+    "${pip_install[@]}" torch==2.13.0 --index-url "$RAYCURATE_TORCH_INDEX"
   else
-    "$py" -m pip install --quiet torch==2.13.0
+    "${pip_install[@]}" torch==2.13.0
   fi
 fi
 if [ -n "$extras" ]; then
-  "$py" -m pip install --quiet -e ".[${extras}]"
+  "${pip_install[@]}" -e ".[${extras}]"
 else
-  "$py" -m pip install --quiet -e .
+  "${pip_install[@]}" -e .
 fi
 if [[ ",$extras," == *",dev,"* ]]; then
   # The report's browser test needs Chromium; without root/apt it is skipped with a reason.

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from raycurate.models.generation import generate_greedy  # noqa: E402
+from raycurate.models.generation import generate_greedy, generate_greedy_hf  # noqa: E402
 from raycurate.models.sampling import derive_seed, draw_tokens, nucleus_probs, sample_responses  # noqa: E402
 from raycurate.models.tiny import build_tiny_model  # noqa: E402
 from raycurate.models.tokenizer import train_tokenizer  # noqa: E402
@@ -156,11 +156,60 @@ def test_left_padding_and_batching_do_not_change_a_prompts_samples(model, prompt
             assert torch.allclose(torch.tensor(s.token_logprobs), torch.tensor(r.token_logprobs), atol=1e-4)
 
 
-def test_greedy_matches_hf_generate(model, prompts):
-    result = sample(model, prompts, [0, 0, 0], temperature=0.0, n=1, max_new_tokens=10)
-    reference = generate_greedy(model, prompts, max_new_tokens=10, pad_id=PAD, eos_ids=[EOS, END])
+@pytest.mark.parametrize("bias", [0.0, 3.0])
+def test_greedy_matches_hf_generate(model, prompts, bias):
+    biased = EosBiased(model, bias=bias) if bias else model  # 3.0: some rows stop early and are pruned
+    result = sample(biased, prompts, [0, 0, 0], temperature=0.0, n=1, max_new_tokens=10)
+    kwargs = dict(max_new_tokens=10, pad_id=PAD, eos_ids=[EOS, END])
+    reference = generate_greedy_hf(model if not bias else HfEosBiased(model, bias), prompts, **kwargs)
     # generate_greedy drops the stop token, sample_responses keeps it
     assert [g[0].response_ids[:-1] if g[0].finished else g[0].response_ids for g in result] == reference
+    assert generate_greedy(biased, prompts, **kwargs) == reference
+    assert generate_greedy(biased, prompts, prune_finished=False, **kwargs) == reference
+
+
+class HfEosBiased(EosBiased):
+    """EosBiased that Hugging Face ``generate`` can drive (it needs the wrapped model's generation mixin)."""
+
+    def generate(self, **kwargs):
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        bias = self.bias
+
+        class AddEos(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                scores[:, EOS] += bias
+                return scores
+
+        return self.inner.generate(logits_processor=LogitsProcessorList([AddEos()]), **kwargs)
+
+
+class WidthRecorder(torch.nn.Module):
+    """Test double: the wrapped model, recording the batch size of every forward."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner, self.batch_sizes = inner, []
+
+    def forward(self, **kwargs):
+        self.batch_sizes.append(kwargs["input_ids"].shape[0])
+        return self.inner(**kwargs)
+
+
+def test_pruning_finished_rows_keeps_every_token_and_logprob(model, prompts):
+    """Finished rows leave the decoding batch, and each row's tokens and log-probs are those of the unpruned loop:
+    every prompt's generator draws for all its rows at every step."""
+    biased = EosBiased(model, bias=3.0)
+    recorder = WidthRecorder(biased)
+    pruned = sample(recorder, prompts, [1, 2, 3], n=4, max_new_tokens=12)
+    full = sample(biased, prompts, [1, 2, 3], n=4, max_new_tokens=12, prune_finished=False)
+    assert as_ids(pruned) == as_ids(full)
+    for got, ref in zip(pruned, full):
+        for s, r in zip(got, ref):
+            assert torch.allclose(torch.tensor(s.token_logprobs), torch.tensor(r.token_logprobs), atol=1e-4)
+    assert recorder.batch_sizes[0] == 3  # the prompt pass: one row per prompt, repeated 4 times in the cache
+    assert recorder.batch_sizes[1] <= 12 and min(recorder.batch_sizes[1:]) < 12  # rows were dropped
+    assert recorder.batch_sizes[1:] == sorted(recorder.batch_sizes[1:], reverse=True)
 
 
 def test_eos_ends_a_response_and_is_kept_with_its_logprob(model, prompts):
