@@ -329,3 +329,25 @@ def test_composition_scores_rank_survivors_above_dropped_rows_then_by_the_last_s
     # survived 2 steps: c, d; one step: a, e; none: b (its high reference score does not lift it)
     assert sorted(pool, key=lambda i: -scores[pool.index(i)]) == ["c", "d", "e", "a", "b"]
     assert composition_scores(pool, steps[:1], history[:1]).tolist() == [1, 0, 1, 1, 1]
+
+
+def test_reference_losses_sorted_into_micro_batches_come_back_in_row_order():
+    """supervised_losses cuts micro-batches from the rows sorted by length; each row's losses are those of the row
+    scored alone, in the caller's order."""
+    torch = pytest.importorskip("torch")
+    from raycurate.models.tiny import build_tiny_model
+    from raycurate.models.tokenizer import train_tokenizer
+    from raycurate.stages.reference import supervised_losses
+
+    tokenizer = train_tokenizer([f"row {i} has {i % 7} words here." for i in range(50)], vocab_size=300)
+    model = build_tiny_model("tiny-llama", tokenizer, seed=0).eval()
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for length in (9, 3, 12, 5, 7, 4):
+        ids = torch.randint(10, 200, (length,), generator=generator).tolist()
+        rows.append({"input_ids": ids, "loss_mask": [0] * (length // 2) + [1] * (length - length // 2)})
+    batched = supervised_losses({"m": model}, rows, pad_id=2, micro_batch=4)
+    alone = supervised_losses({"m": model}, rows, pad_id=2, micro_batch=1)
+    assert [len(x) for x in batched["m"]] == [sum(r["loss_mask"]) for r in rows]
+    for got, want in zip(batched["m"], alone["m"]):
+        assert got == pytest.approx(want, abs=1e-5)

@@ -51,20 +51,23 @@ class ReferenceLossUDF:
 
 
 def supervised_losses(models: dict[str, Any], rows: list[dict], pad_id: int, micro_batch: int) -> dict[str, list]:
-    """``{model name: [(R_i,) float32 losses of row i's supervised positions]}`` over ``rows`` (token rows)."""
+    """``{model name: [(R_i,) float32 losses of row i's supervised positions]}`` over ``rows`` (token rows), in
+    their order.  Micro-batches are cut from the rows sorted by length, so each pads to a similar row (on the real
+    proving ground's pool, blocks of 64 rows in micro-batches of 16: benchmarks/RESULTS.md, eleventh session)."""
     import numpy as np
 
     from raycurate.stages.bridge_compact import row_token_losses
 
-    out: dict[str, list] = {name: [] for name in models}
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
+    found: dict[str, list] = {name: [None] * len(rows) for name in models}
     for start in range(0, len(rows), micro_batch):
-        chunk = rows[start:start + micro_batch]
-        per_model = row_token_losses(models, chunk, pad_id)
-        for i, row in enumerate(chunk):
-            mask = np.asarray(row["loss_mask"], dtype=bool)
+        chunk = order[start:start + micro_batch]
+        per_model = row_token_losses(models, [rows[i] for i in chunk], pad_id)
+        for j, i in enumerate(chunk):
+            mask = np.asarray(rows[i]["loss_mask"], dtype=bool)
             for name, table in per_model.items():
-                out[name].append(table[i, :mask.size].numpy()[mask].astype(np.float32))
-    return out
+                found[name][i] = table[j, :mask.size].numpy()[mask].astype(np.float32)
+    return found
 
 
 def signal_columns(ids: Any, losses: dict[str, list]) -> Any:
