@@ -16,8 +16,9 @@ if [ ! -x .venv/bin/python ]; then
   "$python_bin" -m venv .venv
 fi
 py=.venv/bin/python
-# --no-compile: pip would byte-compile all ~25k modules of the dependencies (most never imported); Python compiles
-# the ones a run imports on first import instead (benchmarks/RESULTS.md, eleventh session)
+# --no-compile here, compileall on 2+ cores below: pip byte-compiles the ~25k modules one at a time (install 123 s ->
+# 41 s + 33 s). The modules must be compiled at install: with PYTHONDONTWRITEBYTECODE set (as on our machines) every
+# process would otherwise recompile what it imports (the demo took 532 s instead of 373; benchmarks/RESULTS.md)
 pip_install=("$py" -m pip install --quiet --no-compile)
 "${pip_install[@]}" --upgrade pip
 if ! "$py" -c "import torch" >/dev/null 2>&1; then
@@ -34,6 +35,8 @@ if [ -n "$extras" ]; then
 else
   "${pip_install[@]}" -e .
 fi
+"$py" -m compileall -q -j 0 "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" raycurate \
+  >/dev/null || echo "bootstrap: some modules did not byte-compile (they compile when imported)"
 if [[ ",$extras," == *",dev,"* ]]; then
   # The report's browser test needs Chromium; without root/apt it is skipped with a reason.
   bash scripts/install_chromium.sh || echo "bootstrap: chromium unavailable; tests/test_report_browser.py will skip"
