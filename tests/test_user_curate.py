@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -473,6 +474,32 @@ def test_the_api_resumes_the_same_command_and_writes_the_same_files(curated):
     assert {k: v.get("executions") for k, v in after.items()} == executions  # nothing re-ran
     assert result.stage == "curate_rows" and result.tokens.num_rows == result.metrics["summary"]["rows"]["kept"]
     assert result.metrics["summary"]["rows"] == json.loads((out / "summary.json").read_text())["rows"]
+
+
+@pytest.mark.ray
+def test_reference_scores_of_a_small_model_on_warm_tasks_equal_the_ray_data_pools(curated, monkeypatch):
+    """The demo-sized model is scored on warm in-memory tasks; a real model on a Ray Data actor pool: the same
+    table, schema included."""
+    import pyarrow.parquet as pq
+
+    import raycurate.models.loading as loading
+    from raycurate.config.pool import ActorPoolConfig
+    from raycurate.rundir import RunDir
+    from raycurate.stages.reference import SCORES_FILE, reference_scores_stage
+
+    _, out, _, _ = curated
+    run_root = out / "run"
+    warm = pq.read_table(run_root / "curate_reference_scores" / SCORES_FILE)
+    monkeypatch.setattr(loading, "is_small_checkpoint", lambda *_args, **_kwargs: False)
+    run = RunDir(run_root)
+    reference_scores_stage(run, "reference_scores_ray_data", pool_stage="curate_pool_rows", base_stage="base_model",
+                           reference_stage="curate_reference", pool_cfg=ActorPoolConfig(num_actors=1))
+    pooled = pq.read_table(run_root / "reference_scores_ray_data" / SCORES_FILE)
+    assert pooled.schema == warm.schema
+    assert pooled.column("id").to_pylist() == warm.column("id").to_pylist()
+    for name in warm.column_names[1:]:
+        got, want = pooled.column(name).to_pylist(), warm.column(name).to_pylist()
+        assert np.allclose(np.hstack(got).astype(float), np.hstack(want).astype(float), atol=1e-5, equal_nan=True), name
 
 
 @pytest.mark.ray

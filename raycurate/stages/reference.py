@@ -87,6 +87,24 @@ def signal_columns(ids: Any, losses: dict[str, list]) -> Any:
     return out
 
 
+def score_in_memory(tokens: Path, udf_kwargs: dict, pool: Any) -> Any:
+    """:class:`ReferenceLossUDF` over the token table at ``tokens`` on warm Ray tasks (in-memory rows), for a small
+    model: a Ray Data actor pool's start-up (processes, imports, two model loads) was most of a tiny model's scoring
+    (the demo's two reference maps: 44 s, benchmarks/RESULTS.md, eleventh session).  Returns the score table in
+    :func:`signal_columns`' schema."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raycurate.algorithms.reference_signals import ROW_SIGNALS
+
+    rows = pq.read_table(tokens, columns=["id", "input_ids", "loss_mask"]).to_pylist()
+    scored = map_model_over_rows(rows, ReferenceLossUDF, udf_kwargs, pool, warm=True, progress=False)
+    losses = pa.list_(pa.float32())
+    schema = pa.schema([("id", pa.string()), ("reference_losses", losses), ("base_losses", losses)]
+                       + [(f"signal_{name}", pa.float64()) for name in ROW_SIGNALS])
+    return pa.Table.from_pylist(scored, schema=schema)
+
+
 def reference_scores_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, reference_stage: str,
                            pool_cfg: ActorPoolConfig, seed: int = 0, force: bool = False) -> dict:
     """Score every row of ``pool_stage`` under ``reference_stage``'s model and the base; writes
@@ -98,17 +116,22 @@ def reference_scores_stage(run: RunDir, stage: str, *, pool_stage: str, base_sta
     from raycurate.algorithms.reference_signals import ROW_SIGNALS, signal_scores
 
     def body(out: Path) -> StageOutput:
+        from raycurate.models.loading import is_small_checkpoint
+
         pool = resolve_pool(pool_cfg)
-        ds = ray.data.read_parquet(str(output_path(run, pool_stage, "tokens"))).select_columns(
-            ["id", "input_ids", "loss_mask"])
-        ds = map_model_over_rows(ds, ReferenceLossUDF, {
-            "base_dir": str(output_path(run, base_stage, "model")),
-            "reference_dir": str(output_path(run, reference_stage, "model")),
-            "threads": max(1, int(round(pool.num_cpus))), "stage": stage}, pool)
-        ds.write_parquet(str(out / "_parts"))
-        result = pq.read_table(out / "_parts").sort_by("id")
+        base_dir = str(output_path(run, base_stage, "model"))
+        kwargs = {"base_dir": base_dir, "reference_dir": str(output_path(run, reference_stage, "model")),
+                  "threads": max(1, int(round(pool.num_cpus))), "stage": stage}
+        tokens = output_path(run, pool_stage, "tokens")
+        if is_small_checkpoint(base_dir):
+            result = score_in_memory(tokens, kwargs, pool)
+        else:
+            ds = ray.data.read_parquet(str(tokens)).select_columns(["id", "input_ids", "loss_mask"])
+            map_model_over_rows(ds, ReferenceLossUDF, kwargs, pool).write_parquet(str(out / "_parts"))
+            result = pq.read_table(out / "_parts")
+            shutil.rmtree(out / "_parts")
+        result = result.sort_by("id")
         pq.write_table(result, out / SCORES_FILE)
-        shutil.rmtree(out / "_parts")
         metrics: dict[str, Any] = {"rows": result.num_rows}
         separation = signal_separation(run, pool_stage, result["id"].to_pylist(),
                                        {name: signal_scores(result[f"signal_{name}"].to_numpy())
