@@ -336,19 +336,25 @@ def probe_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, he
     query_tokens = output_path(run, query_stage, "tokens") if query_stage else None
 
     def body(out: Path) -> StageOutput:
-        ray.data.DataContext.get_current().execution_options.preserve_order = True
+        from raycurate.models.loading import is_small_checkpoint
+
         query_ids = token_ids(run, query_stage) if query_stage else None
         plan = probe_plan(token_ids(run, pool_stage), p2d_cfg, query_ids)
         pool = resolve_pool(pool_cfg)
-        ds = dataset_from_rows(plan, pool.batch_size)
-        ds = map_model_over_rows(ds, IclProbeUDF, {
+        kwargs = {
             "model_dir": str(model_dir), "tokens_dir": str(tokens), "heads": selected_heads(run, heads_stage_name),
             "instruction": p2d_cfg.instruction, "query_score": p2d_cfg.query_score,
             "max_prompt_tokens": p2d_cfg.max_prompt_tokens, "max_new_tokens": max_new_tokens,
             "threads": max(1, int(round(pool.num_cpus))), "stage": stage,
             "query_tokens_dir": None if query_tokens is None else str(query_tokens),
-        }, pool)
-        ds.write_parquet(str(out / "probes"))
+        }
+        if is_small_checkpoint(str(model_dir)):  # warm in-memory tasks: a Ray Data pool's start-up is most of it
+            write_probes(map_model_over_rows(plan, IclProbeUDF, kwargs, pool, warm=True, progress=False),
+                         out / "probes")
+        else:
+            ray.data.DataContext.get_current().execution_options.preserve_order = True
+            ds = map_model_over_rows(dataset_from_rows(plan, pool.batch_size), IclProbeUDF, kwargs, pool)
+            ds.write_parquet(str(out / "probes"))
         rows = read_token_rows(out / "probes", ["tokens", "score"])
         used = {q for prompt in plan for q in prompt["queries"]}
         return StageOutput(outputs={"probes": "probes"}, metrics={
@@ -362,6 +368,20 @@ def probe_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, he
         config["max_new_tokens"] = max_new_tokens  # generated query scores depend on the budget
     upstream = [pool_stage, base_stage, heads_stage_name] + ([query_stage] if query_stage else [])
     return run_stage(run, stage, body, config=config, upstream=upstream, force=force)
+
+
+def write_probes(rows: list[dict], folder: Path) -> None:
+    """The probe rows of warm tasks as ``folder/probes.parquet``, in prompt order, in the Ray Data path's schema."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids = pa.list_(pa.string())
+    schema = pa.schema([("prompt_id", pa.int64()), ("demos", ids), ("queries", ids), ("counted", pa.list_(pa.bool_())),
+                        ("demo_weights", pa.list_(pa.float64())), ("query_scores", pa.list_(pa.float64())),
+                        ("score", pa.float64()), ("tokens", pa.int32())])
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(sorted(rows, key=lambda r: r["prompt_id"]), schema=schema),
+                   folder / "probes.parquet")
 
 
 # --------------------------------------------------------------------------------------------- selection
