@@ -40,8 +40,8 @@ def add_ifd(run, cfg: JobConfig) -> None:
     from raycurate.stages.p2d import ifd_select_stage
 
     p2d_cfg = dataclasses.replace(cfg, p2d=dataclasses.replace(cfg.p2d, pool_split=POOL_SPLIT))  # as the p2d step
-    ifd_select_stage(run, "p2d_ifd", pool_stage=pool_stage(run, p2d_cfg), base_stage="base_model", ratio=cfg.p2d.data_ratio,
-                     pool_cfg=cfg.p2d_pool)
+    ifd_select_stage(run, "p2d_ifd", pool_stage=pool_stage(run, p2d_cfg), base_stage="base_model",
+                     ratio=cfg.p2d.data_ratio, pool_cfg=cfg.p2d_pool)
 
 
 def main() -> None:
