@@ -6,25 +6,7 @@ from typing import Sequence
 
 import torch
 
-
-def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token id lists into a batch.
-
-    Args:
-        sequences: B lists of token ids.
-        pad_id: Padding token id.
-
-    Returns:
-        ``input_ids`` (B, T) and ``attention_mask`` (B, T) with zeros on the left padding.
-    """
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if len(seq):
-            ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[row, width - len(seq):] = 1
-    return ids, mask
+from raycurate.models.sampling import left_pad, sample_responses
 
 
 @torch.no_grad()
@@ -56,8 +38,6 @@ def generate_greedy(
     Returns:
         The generated token ids of each prompt, without the prompt and without the stop token.
     """
-    from raycurate.models.sampling import sample_responses
-
     stop = {int(e) for e in eos_ids}
     samples = sample_responses(model, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens, eos_ids=list(stop),
                                pad_id=pad_id, generator=torch.Generator(), batch_size=batch_size,

@@ -16,7 +16,25 @@ from typing import Any
 
 import torch
 
-from raycurate.models.generation import left_pad
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token id lists into a batch.
+
+    Args:
+        sequences: B lists of token ids.
+        pad_id: Padding token id.
+
+    Returns:
+        ``input_ids`` (B, T) and ``attention_mask`` (B, T) with zeros on the left padding.
+    """
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if len(seq):
+            ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[row, width - len(seq):] = 1
+    return ids, mask
 
 
 @dataclass(frozen=True)
