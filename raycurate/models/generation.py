@@ -24,7 +24,7 @@ def generate_greedy(
 
     The KV-cached loop of :func:`raycurate.models.sampling.sample_responses` at temperature 0, which drops finished
     rows from the batch (``prune_finished``); Hugging Face ``generate`` decodes every row to its batch's longest.
-    Agreement and speed against ``generate``: benchmarks/bench_generation.py --greedy (benchmarks/RESULTS.md).
+    Agreement and speed against ``generate``: benchmarks/bench_eval_decode.py (benchmarks/RESULTS.md).
 
     Args:
         model: A causal LM in eval mode.
@@ -38,8 +38,7 @@ def generate_greedy(
     Returns:
         The generated token ids of each prompt, without the prompt and without the stop token.
     """
-    stop = {int(e) for e in eos_ids}
-    samples = sample_responses(model, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens, eos_ids=list(stop),
+    samples = sample_responses(model, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                                pad_id=pad_id, generator=torch.Generator(), batch_size=batch_size,
                                prune_finished=prune_finished)
     return [s[0].response_ids[:-1] if s[0].finished else s[0].response_ids for s in samples]
