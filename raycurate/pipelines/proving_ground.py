@@ -121,9 +121,6 @@ def run_proving_ground(cfg: JobConfig, run_pipeline: Callable[[JobConfig], dict]
             in by the registry (which imports this module, so this module does not import it back).
     """
     from raycurate.pipelines.common import check_split_sizes
-    from raycurate.report.curation import aligned_scores, evaluated_models, scores_by_metric
-    from raycurate.report.proving_ground import render_proving_ground
-    from raycurate.rundir import atomic_write_text
     from raycurate.storage import is_uri
 
     if is_uri(cfg.run.runs_dir):
@@ -131,17 +128,37 @@ def run_proving_ground(cfg: JobConfig, run_pipeline: Callable[[JobConfig], dict]
     pool_only = cfg.proving_ground.pool_only
     if not pool_only:
         check_split_sizes(cfg)  # every seed's splits, before the first seed starts Ray
+    finished = []
+    for seed, train_seed in runs_of(cfg):
+        child = seed_config(cfg, seed, train_seed)
+        run_dir = Path(child.run.runs_dir) / child.run.name
+        log.info("proving ground: corpus seed %d, train seed %d, pipeline %s -> %s%s", seed, train_seed,
+                 child.pipeline, run_dir, " (pooled as it is)" if pool_only else "")
+        manifest = existing_manifest(run_dir) if pool_only else run_pipeline(child)
+        finished.append((run_label(cfg, seed, train_seed), run_dir, manifest))
+    summary = pool_runs(finished, cfg.proving_ground.pipeline)
+    write_summary(Path(cfg.run.runs_dir) / cfg.run.name, summary)
+    return summary
+
+
+def pool_runs(runs: list[tuple[int | str, Path, dict]], pipeline: str) -> dict:
+    """The pooled summary of finished runs: every evaluated model's per-question scores feed the comparisons.
+
+    Args:
+        runs: (run label, run folder, manifest) of each run, in run order.
+        pipeline: The pipeline the runs ran (recorded in the summary).
+
+    Returns:
+        :func:`summarize_seeds` of the primary metric, plus ``pipeline``, ``by_metric`` (greedy and sampled exact
+        match), and where the runs composed a pool, ``composition_budgets`` and ``separation`` per run.
+    """
+    from raycurate.report.curation import aligned_scores, evaluated_models, scores_by_metric
+
     per_seed: dict[int | str, tuple[str, dict[str, Any]]] = {}
     by_metric: dict[str, dict[int | str, tuple[str, dict[str, Any]]]] = {}
     budgets: dict[str, dict] = {}
     separation: dict[str, dict] = {}
-    for seed, train_seed in runs_of(cfg):
-        child = seed_config(cfg, seed, train_seed)
-        run_dir = Path(child.run.runs_dir) / child.run.name
-        label = run_label(cfg, seed, train_seed)
-        log.info("proving ground: corpus seed %d, train seed %d, pipeline %s -> %s%s", seed, train_seed,
-                 child.pipeline, run_dir, " (pooled as it is)" if pool_only else "")
-        manifest = existing_manifest(run_dir) if pool_only else run_pipeline(child)
+    for label, run_dir, manifest in runs:
         loaded = aligned_scores(run_dir, manifest, evaluated_models(manifest))
         if loaded is not None:
             per_seed[label] = (loaded[1], loaded[2])
@@ -155,14 +172,21 @@ def run_proving_ground(cfg: JobConfig, run_pipeline: Callable[[JobConfig], dict]
             if composition.get("separation"):  # the recipe's ranking, clean rows vs each corruption kind
                 separation[str(label)] = composition["separation"]
     summary = summarize_seeds(per_seed)
-    summary["pipeline"] = cfg.proving_ground.pipeline
+    summary["pipeline"] = pipeline
     summary["by_metric"] = {key: summarize_seeds(seeds) for key, seeds in by_metric.items()}
     if budgets:
         summary["composition_budgets"] = budgets
     if separation:
         summary["separation"] = separation
-    root = Path(cfg.run.runs_dir) / cfg.run.name
+    return summary
+
+
+def write_summary(root: Path, summary: dict) -> Path:
+    """Write ``proving_ground.json`` and ``report.html`` under ``root`` (atomically); returns the report's path."""
+    from raycurate.report.proving_ground import render_proving_ground
+    from raycurate.rundir import atomic_write_text
+
     atomic_write_text(root / "proving_ground.json", json.dumps(summary, indent=2))
     atomic_write_text(root / "report.html", render_proving_ground(summary))
     log.info("proving ground summary: %s", root / "report.html")
-    return summary
+    return root / "report.html"
