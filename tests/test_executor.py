@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from raycurate.stages.executor import PoolResources, ShardedInput, map_model_over_rows, row_groups
@@ -56,8 +57,8 @@ def test_every_row_is_mapped_once_in_batch_sized_groups_by_one_udf_per_task(ray_
     _pickle_this_module_by_value()
     rows = [{"id": i, "x": i} for i in range(23)]
     pool = PoolResources(num_actors=2, num_cpus=0.5, num_gpus=0.0, batch_size=5)
-    out = map_model_over_rows(rows, TagRows, {"offset": 1}, pool, progress=False)
-    assert sorted(r["id"] for r in out) == list(range(23))
+    out = map_model_over_rows(rows, TagRows, {"offset": 1}, pool, progress=False).to_pylist()
+    assert [r["id"] for r in out] == list(range(23))  # input order, whichever task mapped the group
     assert all(r["y"] == 2 * r["id"] + 1 for r in out)
     assert sorted(r["group_size"] for r in out) == [3] * 3 + [5] * 20  # groups of 5, the last of 3
     instances = {r["instance"] for r in out}
@@ -70,8 +71,8 @@ def test_fewer_groups_than_tasks_start_only_the_tasks_needed(ray_local):
     _pickle_this_module_by_value()
     pool = PoolResources(num_actors=4, num_cpus=0.25, num_gpus=0.0, batch_size=10)
     out = map_model_over_rows([{"id": 0, "x": 5}], TagRows, {"offset": 0}, pool, progress=False)
-    assert [r["y"] for r in out] == [10]
-    assert map_model_over_rows([], TagRows, {"offset": 0}, pool, progress=False) == []
+    assert out["y"].to_pylist() == [10]
+    assert map_model_over_rows([], TagRows, {"offset": 0}, pool, progress=False).num_rows == 0
 
 
 @pytest.mark.ray
@@ -81,7 +82,7 @@ def test_a_task_process_exits_after_its_groups_instead_of_carrying_its_heap_to_t
     pool = PoolResources(num_actors=1, num_cpus=0.5, num_gpus=0.0, batch_size=10)
     first = map_model_over_rows([{"id": 0, "x": 1}], TagRows, {"offset": 0}, pool, progress=False)
     second = map_model_over_rows([{"id": 0, "x": 1}], TagRows, {"offset": 0}, pool, progress=False)
-    assert first[0]["pid"] != second[0]["pid"]
+    assert first["pid"][0] != second["pid"][0]
 
 
 @pytest.mark.ray
@@ -91,9 +92,33 @@ def test_warm_workers_map_the_same_rows_as_cold_ones(ray_local):
     pool = PoolResources(num_actors=2, num_cpus=0.5, num_gpus=0.0, batch_size=3)
     strip = ("instance", "pid")
     cold, warm = (sorted(({k: v for k, v in r.items() if k not in strip}
-                          for r in map_model_over_rows(rows, TagRows, {"offset": 2}, pool, progress=False, warm=w)),
+                          for r in map_model_over_rows(rows, TagRows, {"offset": 2}, pool, progress=False,
+                                                       warm=w).to_pylist()),
                          key=lambda r: r["id"]) for w in (False, True))
     assert cold == warm and [r["y"] for r in warm] == [2 * i + 2 for i in range(7)]
+
+
+class TypedRows:
+    """Test UDF: a float32 list column, and a column that is all null in batches without a note."""
+
+    def __call__(self, batch):
+        import pyarrow as pa
+
+        rows = batch.to_pylist()
+        notes = [f"row {r['id']}" if r["id"] == 4 else None for r in rows]
+        return pa.table({"id": [r["id"] for r in rows],
+                         "losses": pa.array([[0.5] * r["id"] for r in rows], pa.list_(pa.float32())),
+                         "note": notes})
+
+
+@pytest.mark.ray
+def test_the_task_back_end_keeps_the_udf_arrow_types_across_batches(ray_local):
+    _pickle_this_module_by_value()
+    pool = PoolResources(num_actors=2, num_cpus=0.5, num_gpus=0.0, batch_size=2)
+    out = map_model_over_rows([{"id": i} for i in range(6)], TypedRows, {}, pool, progress=False, warm=True)
+    assert out.schema.field("losses").type == pa.list_(pa.float32())  # not the float64 of a round trip via dicts
+    assert out["note"].to_pylist() == [None] * 4 + ["row 4", None]  # null-typed batches unify with the string one
+    assert out["id"].to_pylist() == list(range(6))
 
 
 def test_the_input_kind_picks_the_back_end_and_warm_is_only_for_in_memory_rows(tmp_path):

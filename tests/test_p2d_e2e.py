@@ -52,3 +52,36 @@ def test_p2d_pipeline_end_to_end(tmp_path, ray_local):
     assert set(manifest["results"]["heldout"]) == {"p2d", "p2d_random_heads", "p2d_lora", "p2d_full_data"}
     aer = manifest["p2d"]["aer"]
     assert aer["full_sft_stage"] == "train_p2d_full_data" and aer["aer"] > 0
+    _probes_of_a_ray_data_pool_equal_the_warm_tasks(run_dir, manifest)
+
+
+def _probes_of_a_ray_data_pool_equal_the_warm_tasks(run_dir, manifest) -> None:
+    """The demo-sized model probes on warm in-memory tasks, a real model on a Ray Data actor pool: one table."""
+    import numpy as np
+
+    import raycurate.models.loading as loading
+    from raycurate.config.loader import load_config
+    from raycurate.config.pool import ActorPoolConfig
+    from raycurate.config.schema import JobConfig
+    from raycurate.rundir import RunDir
+    from raycurate.stages.p2d import probe_stage
+
+    warm = pq.read_table(run_dir / "p2d_probe/probes")
+    upstream = manifest["stages"]["p2d_probe"]["upstream"]
+    cfg = load_config(JobConfig, str(run_dir / "config.yaml"), [])
+    small = loading.is_small_checkpoint
+    loading.is_small_checkpoint = lambda *_args, **_kwargs: False
+    try:
+        probe_stage(RunDir(run_dir), "p2d_probe_ray_data", pool_stage=upstream[0], base_stage="base_model",
+                    heads_stage_name="p2d_heads", p2d_cfg=cfg.p2d, pool_cfg=ActorPoolConfig(num_actors=1),
+                    max_new_tokens=cfg.eval.max_new_tokens, query_stage=(upstream[3:] or [None])[0])
+    finally:
+        loading.is_small_checkpoint = small
+    pooled = pq.read_table(run_dir / "p2d_probe_ray_data/probes")
+    assert pooled.schema == warm.schema
+    for name in warm.column_names:
+        got, want = pooled.column(name).to_pylist(), warm.column(name).to_pylist()
+        if name in ("score", "query_scores", "demo_weights"):
+            assert np.allclose(np.hstack(got), np.hstack(want), atol=1e-5), name
+        else:
+            assert got == want, name

@@ -5,7 +5,8 @@ A map is a UDF (a callable class built once per worker, ``udf(**udf_kwargs)(pyar
 input's kind picks the back-end: a ``ray.data.Dataset`` (parquet read lazily) streams through a Ray Data actor
 pool; :class:`ShardedInput` (a parquet path and a shard folder) is mapped in resumable shards by an actor pool
 (:mod:`raycurate.stages.sharded`); ``list[dict]`` (small, in memory: held-out questions) goes to Ray tasks, the
-one back-end whose workers can be warm.  Why each back-end: ``docs/design.md``, "One executor for maps".
+one back-end whose workers can be warm, and comes back as the UDF's tables in input order.  Why each back-end:
+``docs/design.md``, "One executor for maps".
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from raycurate.config.pool import ActorPoolConfig
 from raycurate.rundir import RunDir
@@ -36,6 +37,9 @@ from raycurate.stages.sharded import (
     udf_name,
     verify_coverage,
 )
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 log = logging.getLogger("raycurate")
 
@@ -110,7 +114,7 @@ def resolve_pool(cfg: ActorPoolConfig, total_cpus: float | None = None,
 
 @overload
 def map_model_over_rows(source: list[dict], udf: Callable, udf_kwargs: dict, resources: PoolResources | None, *,
-                        warm: bool = ..., progress: bool = ..., batch_format: str = ...) -> list[dict]: ...
+                        warm: bool = ..., progress: bool = ..., batch_format: str = ...) -> pa.Table: ...
 
 
 @overload
@@ -131,8 +135,8 @@ def map_model_over_rows(source: Any, udf: Callable, udf_kwargs: dict, resources:
         source: A ``ray.data.Dataset``: returns the mapped (lazy) ``Dataset``, in input order where the caller
             set ``preserve_order``.  A :class:`ShardedInput`: writes ``<out_dir>/shards`` and returns the map's
             metrics (``{shards, shards_skipped, shards_computed, rows, rows_computed, seconds, rows_per_s, plan,
-            shards_dir}``).  A ``list[dict]``: returns the output rows of every batch (sort them by a key if the
-            order matters).
+            shards_dir}``).  A ``list[dict]``: returns the UDF's output tables concatenated in input order, with
+            the UDF's Arrow types (an empty table for no rows).
         udf: Callable class ``udf(**udf_kwargs)(batch: pyarrow.Table) -> pyarrow.Table``, importable (or pickled
             by value) on the workers; on a ``Dataset`` with ``resources=None`` a plain function
             ``udf(batch, **udf_kwargs)``, which Ray Data runs on tasks with its own batch size.
@@ -239,21 +243,29 @@ def row_groups(rows: list[dict], group_rows: int) -> list[list[dict]]:
     return [rows[i:i + group_rows] for i in range(0, len(rows), group_rows)]
 
 
-def _map_groups(udf: Callable, udf_kwargs: dict, groups: list[list[dict]]) -> Iterator[list[dict]]:
-    """Task body: build ``udf`` once, then yield its output rows for each group in order."""
+def _map_groups(udf: Callable, udf_kwargs: dict, groups: list[list[dict]]) -> Iterator[pa.Table]:
+    """Task body: build ``udf`` once, then yield its output table for each group in order."""
     import pyarrow as pa
 
     fn = udf(**udf_kwargs)
     for group in groups:
-        yield fn(pa.Table.from_pylist(group)).to_pylist()
+        yield fn(pa.Table.from_pylist(group))
+
+
+def concat_in_order(tables: list[pa.Table]) -> pa.Table:
+    """One table of ``tables`` in order (types unified where one batch's column is all null); empty for none."""
+    import pyarrow as pa
+
+    return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
 
 
 def _map_on_tasks(rows: list[dict], udf: Callable, udf_kwargs: dict, pool: PoolResources, *, progress: bool,
-                  warm: bool) -> list[dict]:
-    """``udf`` over ``rows`` in groups of ``pool.batch_size`` on ``pool.num_actors`` concurrent Ray tasks.
+                  warm: bool) -> pa.Table:
+    """``udf`` over ``rows`` in groups of ``pool.batch_size`` on ``pool.num_actors`` concurrent Ray tasks; the
+    output tables concatenated in input order.
 
     Group ``g`` goes to task ``g % tasks``; each task builds ``udf(**udf_kwargs)`` once (one model load) and streams
-    back one result per group, so the UDF sees the batches of a Ray Data ``map_batches`` with
+    back one table per group, so the UDF sees the batches of a Ray Data ``map_batches`` with
     ``batch_size=pool.batch_size`` over the rows in order.  Ray retries a task whose worker dies.  Cold
     (``max_calls=1``): each task's process exits after it, so no model-sized heap passes to whatever task Ray
     schedules there next (a reused process once carried a real-model training's 6.8 GB into the next one); warm:
@@ -271,13 +283,13 @@ def _map_on_tasks(rows: list[dict], udf: Callable, udf_kwargs: dict, pool: PoolR
     remote = ray.remote(max_calls=0 if warm else 1)(_map_groups).options(
         num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, num_returns="streaming")
     streams = [remote.remote(udf, udf_kwargs, groups[k::tasks]) for k in range(tasks)]
-    out: list[dict] = []
+    tables: list = [None] * len(groups)
     with tqdm(total=len(groups), desc=f"{name} groups", unit="group", disable=not progress) as bar:
-        for stream in streams:
-            for ref in stream:
-                out.extend(ray.get(ref))
+        for k, stream in enumerate(streams):
+            for j, ref in enumerate(stream):
+                tables[k + j * tasks] = ray.get(ref)  # task k's j-th group is group k + j * tasks
                 bar.update(1)
-    return out
+    return concat_in_order(tables)
 
 
 # ----------------------------------------------------------------------------------------------------------

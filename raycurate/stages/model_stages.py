@@ -278,7 +278,6 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
 
     ``system_prompt`` is ``tokenize.system_prompt``, so held-out prompts are rendered like the training rows.
     """
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     model_dir = output_path(run, model_stage, "model")
@@ -298,7 +297,7 @@ def evaluate_stage(run: RunDir, stage: str, *, model_stage: str, heldout_stage: 
              "stage": stage, "system_prompt": system_prompt, "dtype": eval_cfg.dtype},
             pool, progress=progress_bars_enabled(), warm=is_small_checkpoint(str(model_dir)),
         )
-        result = pa.Table.from_pylist(predictions).sort_by("id")
+        result = predictions.sort_by("id")
         pq.write_table(result, out / "predictions.parquet")
         metrics = summarize_predictions(result.to_pylist())
         log.info("%s: %s", stage, ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"

@@ -370,18 +370,12 @@ def probe_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, he
     return run_stage(run, stage, body, config=config, upstream=upstream, force=force)
 
 
-def write_probes(rows: list[dict], folder: Path) -> None:
-    """The probe rows of warm tasks as ``folder/probes.parquet``, in prompt order, in the Ray Data path's schema."""
-    import pyarrow as pa
+def write_probes(probes: Any, folder: Path) -> None:
+    """The probe table of warm tasks as ``folder/probes.parquet``, in prompt order (as the Ray Data path's)."""
     import pyarrow.parquet as pq
 
-    ids = pa.list_(pa.string())
-    schema = pa.schema([("prompt_id", pa.int64()), ("demos", ids), ("queries", ids), ("counted", pa.list_(pa.bool_())),
-                        ("demo_weights", pa.list_(pa.float64())), ("query_scores", pa.list_(pa.float64())),
-                        ("score", pa.float64()), ("tokens", pa.int32())])
     folder.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(sorted(rows, key=lambda r: r["prompt_id"]), schema=schema),
-                   folder / "probes.parquet")
+    pq.write_table(probes.sort_by("prompt_id"), folder / "probes.parquet")
 
 
 # --------------------------------------------------------------------------------------------- selection

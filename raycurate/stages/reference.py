@@ -90,19 +90,11 @@ def signal_columns(ids: Any, losses: dict[str, list]) -> Any:
 def score_in_memory(tokens: Path, udf_kwargs: dict, pool: Any) -> Any:
     """:class:`ReferenceLossUDF` over the token table at ``tokens`` on warm Ray tasks (in-memory rows), for a small
     model: a Ray Data actor pool's start-up (processes, imports, two model loads) was most of a tiny model's scoring
-    (the demo's two reference maps: 44 s, benchmarks/RESULTS.md, eleventh session).  Returns the score table in
-    :func:`signal_columns`' schema."""
-    import pyarrow as pa
+    (the demo's two reference maps: 44 s, benchmarks/RESULTS.md, eleventh session).  Returns the UDF's score table."""
     import pyarrow.parquet as pq
 
-    from raycurate.algorithms.reference_signals import ROW_SIGNALS
-
     rows = pq.read_table(tokens, columns=["id", "input_ids", "loss_mask"]).to_pylist()
-    scored = map_model_over_rows(rows, ReferenceLossUDF, udf_kwargs, pool, warm=True, progress=False)
-    losses = pa.list_(pa.float32())
-    schema = pa.schema([("id", pa.string()), ("reference_losses", losses), ("base_losses", losses)]
-                       + [(f"signal_{name}", pa.float64()) for name in ROW_SIGNALS])
-    return pa.Table.from_pylist(scored, schema=schema)
+    return map_model_over_rows(rows, ReferenceLossUDF, udf_kwargs, pool, warm=True, progress=False)
 
 
 def reference_scores_stage(run: RunDir, stage: str, *, pool_stage: str, base_stage: str, reference_stage: str,
