@@ -8,6 +8,9 @@ Signals read when their stages are in the run: the trusted reference's row signa
 ``bilevel_bds``), P2D's s_final (``p2d_select``), BRIDGE's token utilities per row (``bridge_score``: the minimum,
 and the sum of the negative ones), IFD (``p2d_ifd``), LESS and DSIR (``bilevel_{less,dsir}_select``).
 Token selectors: ``curate_masked`` (mask step), ``bridge_select`` (BRIDGE), ``baseline_random_masks``.
+Token scores ranked within each corrupted row (where its corrupted tokens rank among its response tokens: 0 the
+most suspect, 0.5 blind): BRIDGE's utility (``bridge_score``), the trusted reference's loss and its excess over the
+base (``curate_reference_scores``).
 
 Usage::
 
@@ -26,7 +29,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raycurate.algorithms.detection import dropped_counts  # noqa: E402
+from raycurate.algorithms.detection import corrupted_token_ranks, corrupted_tokens, dropped_counts  # noqa: E402
 from raycurate.algorithms.ranking import label_separation  # noqa: E402
 
 POOL_TABLES = ("curate_pool_rows", "bilevel_candidate_rows", "bridge_selection_rows", "tokenize")
@@ -101,8 +104,8 @@ def token_selectors(run: Path) -> dict[str, dict[str, list]]:
     """selector -> {id: (loss_mask, prompt_len, response_offsets)} of the pool rows it masked."""
     out = {}
     sources = {"mask step (trusted reference)": ("curate_masked/tokens", "loss_mask"),
-               "BRIDGE": ("bridge_select/selections", "sel_loss_mask"),
-               "random tokens": ("baseline_random_masks/selections", "random_loss_mask")}
+               "BRIDGE": ("bridge_select/selection", "sel_loss_mask"),
+               "random tokens": ("baseline_random_masks/masks", "random_loss_mask")}
     for name, (rel, column) in sources.items():
         folder = run / rel
         if not folder.is_dir():
@@ -134,6 +137,62 @@ def token_table(selectors: dict, labels: dict[str, dict]) -> dict[str, dict[str,
     return out
 
 
+def token_scores(run: Path) -> dict[str, dict[str, tuple]]:
+    """score -> {id: (suspicion per response-side position (NaN where unscored), response offsets)}."""
+    tokens = {}
+    for name in POOL_TABLES:
+        folder = run / name / "tokens"
+        if folder.is_dir():
+            tokens = {r["id"]: r for r in read_table(folder, ["id", "prompt_len", "loss_mask", "response_offsets"])}
+            break
+    out: dict[str, dict[str, tuple]] = {}
+    scores = run / "bridge_score" / "scores"
+    if scores.is_dir():
+        rows = read_table(scores, ["id", "score_utility", "score_utility_scale", "response_offsets"])
+        out["BRIDGE utility (negated)"] = {
+            r["id"]: (-np.asarray(r["score_utility"], dtype=np.float64) * (r["score_utility_scale"] or 1.0),
+                      r["response_offsets"]) for r in rows}
+    ref = run / "curate_reference_scores" / "reference_scores.parquet"
+    if ref.exists() and tokens:
+        reference, excess = {}, {}
+        for r in pq.read_table(ref, columns=["id", "reference_losses", "base_losses"]).to_pylist():
+            row = tokens.get(r["id"])
+            if row is None:
+                continue
+            supervised = np.asarray(row["loss_mask"], dtype=bool)[row["prompt_len"]:]  # (R,)
+            if supervised.sum() != len(r["reference_losses"]):
+                continue  # supervised positions outside the response: no per-token alignment
+            full = np.full(supervised.size, np.nan)
+            full[supervised] = r["reference_losses"]
+            reference[r["id"]] = (full.copy(), row["response_offsets"])
+            full[supervised] -= np.asarray(r["base_losses"], dtype=np.float64)
+            excess[r["id"]] = (full, row["response_offsets"])
+        out["reference loss"], out["reference excess over base"] = reference, excess
+    return out
+
+
+def token_rank_table(scores: dict[str, dict[str, tuple]], labels: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """score -> kind -> mean rank of the corrupted tokens (per row, then over rows) and the share of rows whose
+    most suspect corrupted token is in the row's top 10%."""
+    out: dict[str, dict[str, dict]] = {}
+    for name, rows in scores.items():
+        ranks: dict[str, list[np.ndarray]] = {}
+        for row_id, (suspicion, offsets) in rows.items():
+            label = labels.get(row_id)
+            if label is None or label["clean"]:
+                continue
+            bad = corrupted_tokens(offsets, label.get("corrupted_spans") or [])
+            if bad.size != len(suspicion):
+                continue
+            r = corrupted_token_ranks(suspicion, np.isfinite(suspicion), bad)
+            if r is not None:
+                ranks.setdefault(label["corruption"], []).append(r)
+        out[name] = {kind: {"rows": len(v), "mean_rank": float(np.mean([x.mean() for x in v])),
+                            "top10": float(np.mean([x.min() <= 0.1 for x in v]))}
+                     for kind, v in sorted(ranks.items())}
+    return out
+
+
 def fmt(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
 
@@ -161,7 +220,17 @@ def print_run(run: Path) -> dict:
             clean = by_kind.get("none")
             cells.append(f"– / {fmt(clean['other_dropped'])}" if clean else "–")
             print(f"| {name} | " + " | ".join(cells) + " |")
-    return {"rows": signals, "tokens": tokens}
+    ranks = token_rank_table(token_scores(run), labels)
+    if ranks:
+        rank_kinds = sorted({k for t in ranks.values() for k in t})
+        print("\nWhere corrupted tokens rank in their row (0 = most suspect, 0.5 = blind) / share of rows with one in "
+              "the row's top 10%:\n")
+        print("| token score | " + " | ".join(rank_kinds) + " |")
+        print("|---|" + "---|" * len(rank_kinds))
+        for name, by_kind in ranks.items():
+            cells = [f"{v['mean_rank']:.2f} / {v['top10']:.2f}" if (v := by_kind.get(k)) else "–" for k in rank_kinds]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+    return {"rows": signals, "tokens": tokens, "token_ranks": ranks}
 
 
 def main() -> None:

@@ -19,3 +19,15 @@ def test_dropped_counts_by_hand():
     assert counts == {"corrupted": 2, "corrupted_dropped": 1, "other": 3, "other_dropped": 1}
     with pytest.raises(ValueError, match="response offsets"):
         dropped_counts([1, 1, 1], 2, offsets, [])
+
+
+def test_corrupted_token_ranks_put_the_most_suspect_token_at_0_and_skip_ineligible_ones():
+    from raycurate.algorithms.detection import corrupted_token_ranks
+
+    suspicion = [5.0, 1.0, 3.0, 9.0, 2.0]
+    eligible = [True, True, True, False, True]  # the 9.0 token is not ranked
+    # eligible scores 5, 1, 3, 2: token 0 is the most suspect (rank 0), token 2 has one above it (1/3)
+    assert corrupted_token_ranks(suspicion, eligible, [True, False, True, True, False]).tolist() == [0.0, 1 / 3]
+    assert corrupted_token_ranks([1.0, 1.0, 0.0], [True] * 3, [True, False, False]).tolist() == [0.25]  # a tie: half
+    assert corrupted_token_ranks(suspicion, eligible, [False, False, False, True, False]) is None  # only ineligible
+    assert corrupted_token_ranks([1.0], [True], [True]) is None

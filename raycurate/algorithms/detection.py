@@ -52,3 +52,31 @@ def dropped_counts(loss_mask: Sequence[int], prompt_len: int, response_offsets: 
         raise ValueError(f"{mask.size} response positions but {bad.size} response offsets")
     return {"corrupted": int(bad.sum()), "corrupted_dropped": int((bad & ~mask).sum()),
             "other": int((~bad).sum()), "other_dropped": int((~bad & ~mask).sum())}
+
+
+def corrupted_token_ranks(suspicion: Sequence[float], eligible: Sequence[bool],
+                          bad: Sequence[bool]) -> np.ndarray | None:
+    """Where a row's corrupted tokens rank among its eligible response tokens under a token score.
+
+    A token's rank is the share of the row's other eligible tokens that are more suspect than it (ties count half):
+    0 for the most suspect token, 1 for the least.  A score blind to the corruption puts corrupted tokens at 0.5 on
+    average; one that sees it puts them near 0.
+
+    Args:
+        suspicion: (R,) per response-side token, higher = more suspect (a loss; a BRIDGE utility negated).
+        eligible: (R,) tokens the score ranks (supervised response tokens with a finite score).
+        bad: (R,) corrupted tokens (:func:`corrupted_tokens`).
+
+    Returns:
+        (C,) the ranks of the eligible corrupted tokens, or None when the row has none or fewer than two eligible
+        tokens.
+    """
+    s = np.asarray(suspicion, dtype=np.float64)
+    keep = np.asarray(eligible, dtype=bool) & np.isfinite(s)
+    hit = np.asarray(bad, dtype=bool)[keep]
+    s = s[keep]
+    if s.size < 2 or not hit.any():
+        return None
+    more = (s[None, :] > s[:, None]).sum(axis=1)  # (R',) eligible tokens more suspect than each token
+    ties = (s[None, :] == s[:, None]).sum(axis=1) - 1
+    return ((more + 0.5 * ties) / (s.size - 1))[hit]
