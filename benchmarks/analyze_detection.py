@@ -101,7 +101,7 @@ def separation(scores: dict[str, float], labels: dict[str, dict], seed: int = 0)
 
 
 def token_selectors(run: Path) -> dict[str, dict[str, list]]:
-    """selector -> {id: (loss_mask, prompt_len, response_offsets)} of the pool rows it masked."""
+    """selector -> {id: (loss_mask, prompt_len, response_offsets, response)} of the pool rows it masked."""
     out = {}
     sources = {"mask step (trusted reference)": ("curate_masked/tokens", "loss_mask"),
                "BRIDGE": ("bridge_select/selection", "sel_loss_mask"),
@@ -110,8 +110,8 @@ def token_selectors(run: Path) -> dict[str, dict[str, list]]:
         folder = run / rel
         if not folder.is_dir():
             continue
-        rows = read_table(folder, ["id", column, "prompt_len", "response_offsets"])
-        out[name] = {r["id"]: (r[column], r["prompt_len"], r["response_offsets"]) for r in rows}
+        rows = read_table(folder, ["id", column, "prompt_len", "response_offsets", "response"])
+        out[name] = {r["id"]: (r[column], r["prompt_len"], r["response_offsets"], r["response"]) for r in rows}
     return out
 
 
@@ -120,7 +120,7 @@ def token_table(selectors: dict, labels: dict[str, dict]) -> dict[str, dict[str,
     out: dict[str, dict[str, dict]] = {}
     for name, rows in selectors.items():
         totals: dict[str, dict[str, int]] = {}
-        for row_id, (mask, prompt_len, offsets) in rows.items():
+        for row_id, (mask, prompt_len, offsets, _) in rows.items():
             label = labels.get(row_id)
             if label is None:
                 continue
@@ -134,6 +134,28 @@ def token_table(selectors: dict, labels: dict[str, dict]) -> dict[str, dict[str,
                          "corrupted_dropped": t["corrupted_dropped"] / t["corrupted"] if t["corrupted"] else None,
                          "other_dropped": t["other_dropped"] / t["other"] if t["other"] else None}
                      for k, t in sorted(totals.items())}
+    return out
+
+
+def final_line_table(selectors: dict, labels: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """selector -> kind -> corrupted tokens in the final-answer line (from ``####`` on) and elsewhere, and the
+    share of each whose loss it drops (BRIDGE's closure keeps the ``####`` unit in every row)."""
+    out: dict[str, dict[str, dict]] = {}
+    for name, rows in selectors.items():
+        totals: dict[str, np.ndarray] = {}
+        for row_id, (mask, prompt_len, offsets, response) in rows.items():
+            label = labels.get(row_id)
+            if label is None or label["clean"] or "####" not in (response or ""):
+                continue
+            bad = corrupted_tokens(offsets, label.get("corrupted_spans") or [])
+            kept = np.asarray(mask, dtype=bool)[prompt_len:]
+            final = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0] >= response.index("####")
+            acc = totals.setdefault(label["corruption"], np.zeros(4))
+            acc += [(bad & final).sum(), (bad & final & ~kept).sum(),
+                    (bad & ~final).sum(), (bad & ~final & ~kept).sum()]
+        out[name] = {kind: {"final_line": int(t[0]), "final_line_dropped": t[1] / t[0] if t[0] else None,
+                            "elsewhere": int(t[2]), "elsewhere_dropped": t[3] / t[2] if t[2] else None}
+                     for kind, t in sorted(totals.items()) if t[0] + t[2]}
     return out
 
 
@@ -220,6 +242,15 @@ def print_run(run: Path) -> dict:
             clean = by_kind.get("none")
             cells.append(f"– / {fmt(clean['other_dropped'])}" if clean else "–")
             print(f"| {name} | " + " | ".join(cells) + " |")
+    lines = final_line_table(token_selectors(run), labels)
+    if lines:
+        print("\nCorrupted tokens in the final-answer line (`####` on) and elsewhere: count, share dropped:\n")
+        print("| selector | kind | in the `####` line | dropped | elsewhere | dropped |")
+        print("|---|---|---|---|---|---|")
+        for name, by_kind in lines.items():
+            for kind, v in by_kind.items():
+                print(f"| {name} | {kind} | {v['final_line']} | {fmt(v['final_line_dropped'])} | {v['elsewhere']} | "
+                      f"{fmt(v['elsewhere_dropped'])} |")
     ranks = token_rank_table(token_scores(run), labels)
     if ranks:
         rank_kinds = sorted({k for t in ranks.values() for k in t})
@@ -230,7 +261,7 @@ def print_run(run: Path) -> dict:
         for name, by_kind in ranks.items():
             cells = [f"{v['mean_rank']:.2f} / {v['top10']:.2f}" if (v := by_kind.get(k)) else "–" for k in rank_kinds]
             print(f"| {name} | " + " | ".join(cells) + " |")
-    return {"rows": signals, "tokens": tokens, "token_ranks": ranks}
+    return {"rows": signals, "tokens": tokens, "final_line": lines, "token_ranks": ranks}
 
 
 def main() -> None:
