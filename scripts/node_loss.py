@@ -328,7 +328,7 @@ def warm_tasks(out: Path, cluster: Any) -> dict:
                                                                          progress=False))
         else:
             result = map_model_over_rows(rows, HoldingSquareUDF, {}, pool, progress=False)
-        (root / "rows.json").write_text(json.dumps(result))
+        (root / "rows.json").write_text(json.dumps(result.to_pylist()))  # the map's table, in input order
         summary[label] = {"seconds": round(time.perf_counter() - t0, 1),
                           "calls": [json.loads(x) for x in (root / "calls.jsonl").read_text().splitlines()]}
     summary["nodes_alive_after"] = _alive_nodes()
