@@ -40,13 +40,18 @@ def read_table(folder: Path, columns: list[str] | None = None) -> list[dict]:
     return [r for f in files for r in pq.read_table(f, columns=columns).to_pylist()]
 
 
-def pool_labels(run: Path) -> dict[str, dict]:
-    """id -> label of the run's pool (the first pool table present)."""
+def pool_rows(run: Path, columns: list[str]) -> dict[str, dict]:
+    """id -> row (``columns``) of the run's pool: the first pool table present."""
     for name in POOL_TABLES:
         folder = run / name / "tokens"
         if folder.is_dir():
-            return {r["id"]: r["label"] for r in read_table(folder, ["id", "label"])}
+            return {r["id"]: r for r in read_table(folder, ["id", *columns])}
     raise SystemExit(f"{run}: no pool token table ({', '.join(POOL_TABLES)})")
+
+
+def pool_labels(run: Path) -> dict[str, dict]:
+    """id -> label of the run's pool."""
+    return {row_id: r["label"] for row_id, r in pool_rows(run, ["label"]).items()}
 
 
 def row_signals(run: Path) -> dict[str, dict[str, float]]:
@@ -161,12 +166,6 @@ def final_line_table(selectors: dict, labels: dict[str, dict]) -> dict[str, dict
 
 def token_scores(run: Path) -> dict[str, dict[str, tuple]]:
     """score -> {id: (suspicion per response-side position (NaN where unscored), response offsets)}."""
-    tokens = {}
-    for name in POOL_TABLES:
-        folder = run / name / "tokens"
-        if folder.is_dir():
-            tokens = {r["id"]: r for r in read_table(folder, ["id", "prompt_len", "loss_mask", "response_offsets"])}
-            break
     out: dict[str, dict[str, tuple]] = {}
     scores = run / "bridge_score" / "scores"
     if scores.is_dir():
@@ -175,7 +174,8 @@ def token_scores(run: Path) -> dict[str, dict[str, tuple]]:
             r["id"]: (-np.asarray(r["score_utility"], dtype=np.float64) * (r["score_utility_scale"] or 1.0),
                       r["response_offsets"]) for r in rows}
     ref = run / "curate_reference_scores" / "reference_scores.parquet"
-    if ref.exists() and tokens:
+    if ref.exists():
+        tokens = pool_rows(run, ["prompt_len", "loss_mask", "response_offsets"])
         reference, excess = {}, {}
         for r in pq.read_table(ref, columns=["id", "reference_losses", "base_losses"]).to_pylist():
             row = tokens.get(r["id"])
@@ -230,7 +230,8 @@ def print_run(run: Path) -> dict:
         cells = [f"{sep['auroc']:.3f} [{sep['auroc_ci95'][0]:.2f}, {sep['auroc_ci95'][1]:.2f}]"]
         cells += [fmt(sep["auroc_by_kind"].get(k, {}).get("auroc")) for k in kinds]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    tokens = token_table(token_selectors(run), labels)
+    selectors = token_selectors(run)
+    tokens = token_table(selectors, labels)
     if tokens:
         token_kinds = sorted({k for t in tokens.values() for k in t if k not in ("all", "none")})
         print("\nShare of corrupted response tokens whose loss is dropped / share of the other response tokens:\n")
@@ -242,7 +243,7 @@ def print_run(run: Path) -> dict:
             clean = by_kind.get("none")
             cells.append(f"– / {fmt(clean['other_dropped'])}" if clean else "–")
             print(f"| {name} | " + " | ".join(cells) + " |")
-    lines = final_line_table(token_selectors(run), labels)
+    lines = final_line_table(selectors, labels)
     if lines:
         print("\nCorrupted tokens in the final-answer line (`####` on) and elsewhere: count, share dropped:\n")
         print("| selector | kind | in the `####` line | dropped | elsewhere | dropped |")
