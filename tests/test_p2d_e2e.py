@@ -13,7 +13,7 @@ from raycurate.cli.main import main
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
 
 
-def test_p2d_pipeline_end_to_end(tmp_path, ray_local):
+def test_p2d_pipeline_end_to_end(tmp_path, ray_local, monkeypatch):
     run_dir = tmp_path / "p2d"
     args = [
         "run", "jobs/p2d_demo.yaml", f"run.runs_dir={tmp_path}", "run.name=p2d", "data.corpus_rows=120",
@@ -52,10 +52,10 @@ def test_p2d_pipeline_end_to_end(tmp_path, ray_local):
     assert set(manifest["results"]["heldout"]) == {"p2d", "p2d_random_heads", "p2d_lora", "p2d_full_data"}
     aer = manifest["p2d"]["aer"]
     assert aer["full_sft_stage"] == "train_p2d_full_data" and aer["aer"] > 0
-    _probes_of_a_ray_data_pool_equal_the_warm_tasks(run_dir, manifest)
+    _probes_of_a_ray_data_pool_equal_the_warm_tasks(run_dir, manifest, monkeypatch)
 
 
-def _probes_of_a_ray_data_pool_equal_the_warm_tasks(run_dir, manifest) -> None:
+def _probes_of_a_ray_data_pool_equal_the_warm_tasks(run_dir, manifest, monkeypatch) -> None:
     """The demo-sized model probes on warm in-memory tasks, a real model on a Ray Data actor pool: one table."""
     import numpy as np
 
@@ -69,14 +69,10 @@ def _probes_of_a_ray_data_pool_equal_the_warm_tasks(run_dir, manifest) -> None:
     warm = pq.read_table(run_dir / "p2d_probe/probes")
     upstream = manifest["stages"]["p2d_probe"]["upstream"]
     cfg = load_config(JobConfig, str(run_dir / "config.yaml"), [])
-    small = loading.is_small_checkpoint
-    loading.is_small_checkpoint = lambda *_args, **_kwargs: False
-    try:
-        probe_stage(RunDir(run_dir), "p2d_probe_ray_data", pool_stage=upstream[0], base_stage="base_model",
-                    heads_stage_name="p2d_heads", p2d_cfg=cfg.p2d, pool_cfg=ActorPoolConfig(num_actors=1),
-                    max_new_tokens=cfg.eval.max_new_tokens, query_stage=(upstream[3:] or [None])[0])
-    finally:
-        loading.is_small_checkpoint = small
+    monkeypatch.setattr(loading, "is_small_checkpoint", lambda *_args, **_kwargs: False)
+    probe_stage(RunDir(run_dir), "p2d_probe_ray_data", pool_stage=upstream[0], base_stage="base_model",
+                heads_stage_name="p2d_heads", p2d_cfg=cfg.p2d, pool_cfg=ActorPoolConfig(num_actors=1),
+                max_new_tokens=cfg.eval.max_new_tokens, query_stage=(upstream[3:] or [None])[0])
     pooled = pq.read_table(run_dir / "p2d_probe_ray_data/probes")
     assert pooled.schema == warm.schema
     for name in warm.column_names:

@@ -253,7 +253,8 @@ def _map_groups(udf: Callable, udf_kwargs: dict, groups: list[list[dict]]) -> It
 
 
 def concat_in_order(tables: list[pa.Table]) -> pa.Table:
-    """One table of ``tables`` in order (types unified where one batch's column is all null); empty for none."""
+    """One table of ``tables`` in order; empty for none.  Column types are unified across batches (pyarrow's
+    permissive promotion: an all-null batch column takes the others' type, and numeric types widen)."""
     import pyarrow as pa
 
     return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
